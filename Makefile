@@ -1,0 +1,37 @@
+# dpserve — the two commands a new machine needs are `make demo` and `make test`;
+# both install on first use.
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.dpserve-installed
+MODEL_DIR   ?= build/tiny-llama
+PYTEST_ARGS ?=
+
+.PHONY: install model demo test test-unit lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+model: install
+	$(BIN)/dpserve build-tiny-model --output $(MODEL_DIR)
+
+demo: model
+	$(BIN)/dpserve demo --model $(MODEL_DIR)
+
+test: model
+	$(BIN)/ruff check dpserve loadtest tests benchmarks
+	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check dpserve loadtest tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/router_overhead.py
+
+clean:
+	rm -rf build runs

@@ -1,0 +1,3 @@
+from dpserve.cli import main
+
+raise SystemExit(main())

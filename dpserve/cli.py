@@ -1,0 +1,157 @@
+"""The `dpserve` command line: it parses, builds a config, and hands over.
+
+    dpserve serve --model M [--replicas N] [--gpus 0,1] [--port 8000] [-- VLLM ARGS]
+    dpserve router --replica URL [--replica URL ...]
+    dpserve demo [--model DIR]
+    dpserve build-tiny-model --output DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dpserve import __version__
+from dpserve.config import (
+    POLICIES,
+    ConfigError,
+    build_router_config,
+    build_serve_config,
+    load_yaml,
+)
+
+
+def _router_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", help="address of the OpenAI API (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="port of the OpenAI API (default 8000)")
+    g.add_argument("--policy", choices=POLICIES, help="replica selection policy")
+    g.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
+    g.add_argument("--max-attempts", type=int, help="replicas tried per request")
+    g.add_argument("--health-interval-s", type=float, help="active health check period")
+    g.add_argument("--graceful-shutdown-s", type=float,
+                   help="time in-flight requests get on shutdown")
+    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpserve",
+        description="Serve a model data-parallel on vLLM replicas behind an OpenAI router.",
+    )
+    parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="start one vLLM replica per GPU (or CPU slice) and the router",
+        description="Arguments after `--` are passed to every `vllm serve`.",
+    )
+    serve.add_argument("--model", help="model directory or Hugging Face id")
+    serve.add_argument("--served-model-name", help="name clients put in `model`")
+    serve.add_argument("--replicas", type=int, help="number of replicas")
+    serve.add_argument("--gpus", help="comma-separated GPU indices, one replica each")
+    serve.add_argument("--cpu-kvcache-gib", type=float, help="KV cache per CPU replica")
+    serve.add_argument("--cpu-binds", help="cores per CPU replica, e.g. 0-3|4-7")
+    serve.add_argument("--startup-timeout-s", type=float, help="deadline for a replica to start")
+    serve.add_argument("--run-dir", help="where per-replica logs go (default ./runs)")
+    _router_flags(serve)
+
+    router = sub.add_parser("router", help="run the router alone in front of existing replicas")
+    router.add_argument("--replica", action="append", default=[], metavar="URL",
+                        help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
+    _router_flags(router)
+
+    demo = sub.add_parser("demo", help="serve the built-in tiny model and talk to it")
+    demo.add_argument("--model", default="build/tiny-llama",
+                      help="where the tiny model is (built there if missing)")
+    demo.add_argument("--replicas", type=int, default=2)
+    demo.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+
+    build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
+    build.add_argument("--output", default="build/tiny-llama")
+    build.add_argument("--force", action="store_true", help="rebuild even if present")
+    return parser
+
+
+def _flags(ns: argparse.Namespace) -> dict[str, Any]:
+    flags = {k: v for k, v in vars(ns).items() if v is not None}
+    if isinstance(flags.get("gpus"), str):
+        try:
+            flags["gpus"] = [int(g) for g in flags["gpus"].split(",") if g.strip()]
+        except ValueError:
+            raise ConfigError(f"gpus: expected comma-separated integers, got {ns.gpus!r}") from None
+    return flags
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, extra = args[:cut], args[cut + 1:]
+    ns = _parser().parse_args(args)
+    try:
+        return _run(ns, extra)
+    except ConfigError as exc:
+        print(f"dpserve {ns.command}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(ns: argparse.Namespace, extra: list[str]) -> int:
+    from dpserve.serve import PortInUseError  # heavy imports only when serving
+
+    if ns.command == "build-tiny-model":
+        from dpserve.tinymodel import build_tiny_model
+
+        print(build_tiny_model(Path(ns.output), force=ns.force))
+        return 0
+    if ns.command == "demo":
+        from dpserve.demo import run_demo
+
+        _setup_logging("info")
+        return run_demo(model_dir=Path(ns.model), replicas=ns.replicas, port=ns.port)
+
+    file_values = load_yaml(ns.config)
+    if extra and ns.command != "serve":
+        raise ConfigError("arguments after `--` are only accepted by `serve`")
+    try:
+        if ns.command == "router":
+            from dpserve.serve import run_router
+
+            if not ns.replica:
+                raise ConfigError("replica: give at least one --replica URL")
+            for url in ns.replica:
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"replica: expected an http(s) URL, got {url!r}")
+            cfg = build_router_config(_flags(ns), file_values.get("router") or {})
+            _setup_logging(cfg.log_level)
+            return asyncio.run(run_router(cfg, ns.replica))
+
+        from dpserve.serve import run_serve
+
+        flags = _flags(ns)
+        if extra:
+            flags["vllm_args"] = extra
+        serve_cfg = build_serve_config(flags, file_values)
+        _setup_logging(serve_cfg.router.log_level)
+        return asyncio.run(run_serve(serve_cfg))
+    except PortInUseError as exc:
+        print(f"dpserve {ns.command}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,315 @@
+"""Typed, validated settings for the router and the replica supervisor.
+
+Every setting is resolved once, at the edge, in this order:
+
+    command-line flag  >  environment (DPSERVE_<NAME>)  >  YAML file  >  default
+
+and then validated; an invalid value raises :class:`ConfigError` naming the
+setting. Nothing here is global: the resulting frozen dataclasses are passed
+explicitly to whatever needs them.
+
+YAML layout (every key optional)::
+
+    model: build/tiny-llama
+    replicas: 2
+    router:
+      port: 8000
+      policy: least-outstanding
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+ENV_PREFIX = "DPSERVE_"
+POLICIES = ("least-outstanding", "round-robin")
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of range; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """How the router listens, routes, checks health and gives up."""
+
+    host: str = "127.0.0.1"
+    """Address the OpenAI API listens on. Replicas always stay on loopback."""
+    port: int = 8000
+    """Port of the OpenAI API."""
+    policy: str = "least-outstanding"
+    """Replica selection: `least-outstanding` (power of two on ties) or `round-robin`."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted; larger ones get 413 before reaching a replica."""
+    connect_timeout_s: float = 5.0
+    """Time to open a connection to a replica before trying another."""
+    first_byte_timeout_s: float = 600.0
+    """Time to wait for a replica's response headers (long prompts queue in vLLM)."""
+    stream_idle_timeout_s: float = 300.0
+    """Longest gap between two chunks of a response before the stream is cut with an error."""
+    max_attempts: int = 3
+    """Replicas tried per request when a replica cannot be reached (before any byte is sent)."""
+    health_interval_s: float = 1.0
+    """Period of the active health check of every replica."""
+    health_timeout_s: float = 2.0
+    """Timeout of one health check."""
+    unhealthy_threshold: int = 2
+    """Consecutive failed checks that take a ready replica out of rotation."""
+    healthy_threshold: int = 1
+    """Consecutive successful checks that put a replica (back) into rotation."""
+    graceful_shutdown_s: float = 30.0
+    """On SIGTERM/SIGINT, how long in-flight requests may run before being cut."""
+    log_level: str = "info"
+    """Log level of the router and supervisor (debug, info, warning, error)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """What `dpserve serve` launches: the replicas and the router in front of them."""
+
+    model: str
+    """Model directory or Hugging Face id loaded by every replica."""
+    served_model_name: str | None = None
+    """Name clients use in `model`; defaults to the model argument."""
+    replicas: int | None = None
+    """Number of replicas. Default: one per GPU, or 2 CPU replicas without a GPU."""
+    gpus: list[int] | None = None
+    """GPU indices to use, one replica each. Default: all visible GPUs."""
+    cpu_kvcache_gib: float = 1.0
+    """KV-cache size per CPU replica (VLLM_CPU_KVCACHE_SPACE), in GiB."""
+    cpu_binds: str | None = None
+    """Cores of each CPU replica, `|` between replicas, vLLM's id-list syntax within
+    one (VLLM_CPU_OMP_THREADS_BIND), e.g. `0-3|4-7`. Default: the cores split evenly."""
+    startup_timeout_s: float = 900.0
+    """Deadline for a replica's /health to answer after its process starts."""
+    restart_backoff_s: float = 1.0
+    """First delay before restarting a replica that died; doubles up to the maximum."""
+    restart_backoff_max_s: float = 30.0
+    """Longest delay between two restarts of the same replica."""
+    stop_timeout_s: float = 20.0
+    """On shutdown, time a replica gets after SIGTERM before SIGKILL."""
+    run_dir: str = "runs"
+    """Directory for per-replica logs; each serve gets its own timestamped folder."""
+    vllm_args: list[str] = field(default_factory=list)
+    """Extra arguments passed to every `vllm serve` (after `--`)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+T = TypeVar("T")
+
+
+def load_yaml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """Read a YAML settings file; a missing or non-mapping file is a ConfigError."""
+    if path is None:
+        return {}
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def build_router_config(
+    flags: Mapping[str, Any],
+    file_values: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RouterConfig:
+    """Resolve a RouterConfig; `file_values` is the YAML file's `router:` section."""
+    cfg = _resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
+                   prefix="router.")
+    _validate_router(cfg)
+    return cfg
+
+
+def build_serve_config(
+    flags: Mapping[str, Any],
+    file_values: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServeConfig:
+    """Resolve a ServeConfig (and its RouterConfig) from flags, env and a YAML mapping."""
+    env = os.environ if env is None else env
+    file_values = dict(file_values or {})
+    router_file = file_values.pop("router", None) or {}
+    if not isinstance(router_file, dict):
+        raise ConfigError("router: must be a mapping of router settings")
+    router = build_router_config(flags, router_file, env)
+    cfg = _resolve(ServeConfig, flags, file_values, env, prefix="", extra={"router": router})
+    _validate_serve(cfg)
+    return cfg
+
+
+def _resolve(
+    cls: type[T],
+    flags: Mapping[str, Any],
+    file_values: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    prefix: str,
+    extra: Mapping[str, Any] | None = None,
+) -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    nested = set(extra or {})
+    unknown = set(file_values) - names
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) in config file: {', '.join(prefix + u for u in sorted(unknown))}"
+        )
+    values: dict[str, Any] = dict(extra or {})
+    for name in names - nested:
+        label = prefix + name
+        if flags.get(name) is not None:
+            raw, source = flags[name], "flag"
+        elif ENV_PREFIX + name.upper() in env:
+            raw, source = env[ENV_PREFIX + name.upper()], "env"
+        elif name in file_values:
+            raw, source = file_values[name], "file"
+        else:
+            continue
+        values[name] = _coerce(label, hints[name], raw, from_text=source == "env")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required field without a value
+        missing = [n for n in names if n not in values]
+        raise ConfigError(f"missing required setting(s): {', '.join(missing)}") from exc
+
+
+def _coerce(label: str, hint: Any, raw: Any, *, from_text: bool) -> Any:
+    """Turn a flag/env/YAML value into the field's declared type, or fail naming it."""
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0]
+    if raw is None or (from_text and optional and raw == ""):
+        if optional:
+            return None
+        raise ConfigError(f"{label}: a value is required")
+    try:
+        if typing.get_origin(hint) is list:
+            (item,) = typing.get_args(hint)
+            if isinstance(raw, str):
+                raw = [p.strip() for p in raw.split(",") if p.strip()] if from_text else [raw]
+            if not isinstance(raw, list | tuple):
+                raise TypeError
+            return [_scalar(item, v) for v in raw]
+        return _scalar(hint, raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{label}: expected {_type_name(hint)}, got {raw!r}") from None
+
+
+def _scalar(hint: Any, raw: Any) -> Any:
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError
+    if hint is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError
+        return int(raw)
+    if hint is float:
+        if isinstance(raw, bool):
+            raise ValueError
+        return float(raw)
+    if hint is str:
+        if not isinstance(raw, str | int | float) or isinstance(raw, bool):
+            raise TypeError
+        return str(raw)
+    raise TypeError(hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
+        hint, str(hint)
+    )
+
+
+def _require(ok: bool, label: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{label}: {message}, got {value!r}")
+
+
+def _validate_router(c: RouterConfig) -> None:
+    _require(bool(c.host), "router.host", "must not be empty", c.host)
+    _require(0 <= c.port <= 65535, "router.port", "must be in 0..65535", c.port)
+    _require(c.policy in POLICIES, "router.policy", f"must be one of {', '.join(POLICIES)}",
+             c.policy)
+    _require(c.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1024",
+             c.max_body_bytes)
+    for name in ("connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
+                 "health_interval_s", "health_timeout_s"):
+        value = getattr(c, name)
+        _require(value > 0, f"router.{name}", "must be > 0", value)
+    _require(c.graceful_shutdown_s >= 0, "router.graceful_shutdown_s", "must be >= 0",
+             c.graceful_shutdown_s)
+    for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold"):
+        value = getattr(c, name)
+        _require(value >= 1, f"router.{name}", "must be >= 1", value)
+    _require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
+             "router.log_level", "must be debug, info, warning, error or critical", c.log_level)
+
+
+def _validate_serve(c: ServeConfig) -> None:
+    _require(bool(c.model.strip()), "model", "must not be empty", c.model)
+    if c.replicas is not None:
+        _require(c.replicas >= 1, "replicas", "must be >= 1", c.replicas)
+    if c.gpus is not None:
+        _require(len(c.gpus) > 0 and all(g >= 0 for g in c.gpus), "gpus",
+                 "must be a non-empty list of GPU indices >= 0", c.gpus)
+        _require(len(set(c.gpus)) == len(c.gpus), "gpus", "must not repeat a GPU", c.gpus)
+        if c.replicas is not None:
+            _require(c.replicas == len(c.gpus), "replicas",
+                     f"must equal the number of --gpus ({len(c.gpus)}) when both are given",
+                     c.replicas)
+    _require(c.cpu_kvcache_gib > 0, "cpu_kvcache_gib", "must be > 0", c.cpu_kvcache_gib)
+    if c.cpu_binds is not None:
+        binds = c.cpu_binds.split("|")
+        _require(all(_is_core_set(b) for b in binds), "cpu_binds",
+                 "must be core lists like '0-3|4-7' or '0,2|1,3', one per replica", c.cpu_binds)
+        if c.replicas is not None:
+            _require(len(binds) == c.replicas, "cpu_binds",
+                     f"must name one core list per replica ({c.replicas})", c.cpu_binds)
+    for name in ("startup_timeout_s", "restart_backoff_s", "restart_backoff_max_s",
+                 "stop_timeout_s"):
+        value = getattr(c, name)
+        _require(value > 0, name, "must be > 0", value)
+    _require(c.restart_backoff_max_s >= c.restart_backoff_s, "restart_backoff_max_s",
+             "must be >= restart_backoff_s", c.restart_backoff_max_s)
+    for arg in c.vllm_args:
+        _require(arg.split("=", 1)[0] not in _RESERVED_VLLM_ARGS, "vllm_args",
+                 "must not set --host, --port or --model (dpserve owns them)", arg)
+
+
+_RESERVED_VLLM_ARGS = frozenset({"--host", "--port", "--model", "--served-model-name"})
+
+
+def _is_core_set(text: str) -> bool:
+    """True for vLLM's id-list syntax: `5`, `0-3`, `5,2-4`."""
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and (not hi.isdigit() or int(hi) < int(lo))):
+            return False
+    return True

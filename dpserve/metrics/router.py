@@ -1,0 +1,114 @@
+"""Every metric the router exports, declared in one place.
+
+Names start with `dpserve_`, values are in base units, labels are bounded:
+`route` is the route template (a handful of fixed paths), `replica` the replica
+id, `status_class` one of 2xx/3xx/4xx/5xx. Gauges that mirror the pool (in
+flight, state) are read from it at scrape time rather than kept twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dpserve.router.pool import ReplicaPool, ReplicaState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Request latency spans sub-millisecond tokenize calls to minutes-long generations.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
+
+
+class RouterMetrics:
+    """The router's metrics, in a registry of its own (no process-global state)."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "dpserve_requests",
+            "Requests answered, by the replica that served them ('none' if the router "
+            "answered itself), route template and HTTP status class.",
+            ["route", "replica", "status_class"],
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "dpserve_request_duration_seconds",
+            "Time from receiving a request to sending the last byte of its response.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_byte = Histogram(
+            "dpserve_time_to_first_byte_seconds",
+            "Time from receiving a request to sending the first byte of its response body "
+            "(for streams: roughly time to first token).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "dpserve_request_retries",
+            "Requests sent to another replica because the chosen one could not be reached.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "dpserve_stream_errors",
+            "Responses cut after they started (replica died, stream idle too long).",
+            ["route", "replica"],
+            registry=self.registry,
+        )
+        self.client_disconnects = Counter(
+            "dpserve_client_disconnects",
+            "Requests whose client went away before the response ended; the replica "
+            "request is closed so the engine aborts it.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.replica_restarts = Counter(
+            "dpserve_replica_restarts",
+            "Replica processes restarted by the supervisor after they died.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector(Collector):
+    """Gauges read from the pool at scrape time."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterable[Metric]:
+        in_flight = GaugeMetricFamily(
+            "dpserve_replica_in_flight_requests",
+            "Requests the router has in flight on each replica.",
+            labels=["replica"],
+        )
+        state = GaugeMetricFamily(
+            "dpserve_replica_state",
+            "1 for the state each replica is in, 0 for the others.",
+            labels=["replica", "state"],
+        )
+        ready = GaugeMetricFamily(
+            "dpserve_replicas_ready", "Replicas currently receiving requests."
+        )
+        for r in self._pool:
+            in_flight.add_metric([r.id], r.in_flight)
+            for s in ReplicaState:
+                state.add_metric([r.id, s.value], 1.0 if r.state is s else 0.0)
+        ready.add_metric([], len(self._pool.ready()))
+        return [in_flight, state, ready]

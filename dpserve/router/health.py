@@ -1,0 +1,92 @@
+"""Active health checks with hysteresis.
+
+Every `health_interval_s` each replica's `GET /health` is called. A ready
+replica leaves rotation after `unhealthy_threshold` consecutive failures; a
+starting or down one enters it after `healthy_threshold` consecutive
+successes, at which point its served model names are read from `/v1/models`.
+Replicas being drained or reloaded belong to the admin path and are left alone.
+
+Passive signals (a refused connection in the proxy, a process exit seen by the
+supervisor) take a replica out at once through `ReplicaPool.mark_down`; this
+loop is what brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from dpserve.config import RouterConfig
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+
+log = logging.getLogger("dpserve.health")
+
+_CHECKED = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DOWN)
+
+
+class HealthChecker:
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient) -> None:
+        self._pool = pool
+        self._config = config
+        self._client = client
+
+    async def run(self) -> None:
+        """Check forever; cancel the task to stop."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._config.health_interval_s)
+
+    async def check_all(self) -> None:
+        replicas = [r for r in self._pool if r.state in _CHECKED]
+        results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        for replica, error in zip(replicas, results, strict=True):
+            await self._record(replica, error)
+
+    async def _probe(self, replica: Replica) -> str | None:
+        """None if healthy, else why not."""
+        try:
+            resp = await self._client.get(
+                replica.url + "/health", timeout=self._config.health_timeout_s
+            )
+        except httpx.TimeoutException:
+            return f"/health timed out after {self._config.health_timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            return f"/health failed: {type(exc).__name__}"
+        return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
+
+    async def _record(self, replica: Replica, error: str | None) -> None:
+        if replica.state not in _CHECKED:  # the admin path took it while we probed
+            return
+        if error is None:
+            replica.health_failures = 0
+            replica.health_successes += 1
+            if (replica.state is not ReplicaState.READY
+                    and replica.health_successes >= self._config.healthy_threshold):
+                models = await self._fetch_models(replica)
+                if models is not None and replica.state in _CHECKED:
+                    replica.models = models
+                    self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+            return
+        replica.health_successes = 0
+        replica.health_failures += 1
+        replica.last_error = error
+        if (replica.state is ReplicaState.READY
+                and replica.health_failures >= self._config.unhealthy_threshold):
+            self._pool.set_state(
+                replica, ReplicaState.DOWN,
+                f"{replica.health_failures} health checks failed, last: {error}",
+            )
+
+    async def _fetch_models(self, replica: Replica) -> frozenset[str] | None:
+        try:
+            resp = await self._client.get(
+                replica.url + "/v1/models", timeout=self._config.health_timeout_s
+            )
+            resp.raise_for_status()
+            return frozenset(m["id"] for m in resp.json()["data"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("replica %s: healthy but /v1/models failed (%s); not admitting yet",
+                        replica.id, exc)
+            return None

@@ -1,0 +1,123 @@
+"""The replica pool: who the replicas are, what state each is in, how busy each is.
+
+State machine of a replica (the router only sends to `ready` ones)::
+
+    starting ──health ok──▶ ready ──health fails / process died──▶ down
+        ▲                    │  ▲                                   │
+        │                    ▼  │                                   │
+        │        draining / reloading (admin)                        │
+        └───────────── supervisor restarts the process ◀─────────────┘
+
+In-flight counts are owned by :meth:`ReplicaPool.lease`, a context manager:
+nothing else changes them, so a count can never leak on an error path.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+log = logging.getLogger("dpserve.pool")
+
+
+class ReplicaState(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    RELOADING = "reloading"
+    DOWN = "down"
+
+
+@dataclass(eq=False)
+class Replica:
+    """One vLLM engine server. `in_flight` is read-only outside the pool."""
+
+    id: str
+    url: str
+    device: str = "remote"
+    """Where it runs: `gpu:0`, `cpu:0,1`, or `remote` for replicas started elsewhere."""
+    state: ReplicaState = ReplicaState.STARTING
+    weight_version: str | None = None
+    models: frozenset[str] = frozenset()
+    """Model names the replica serves, read from its /v1/models when it turns ready."""
+    in_flight: int = 0
+    health_successes: int = 0
+    health_failures: int = 0
+    state_since: float = field(default_factory=time.monotonic)
+    last_error: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Replica({self.id}, {self.url}, {self.state.value}, in_flight={self.in_flight})"
+
+
+StateListener = Callable[[Replica, ReplicaState, ReplicaState], None]
+
+
+class ReplicaPool:
+    def __init__(self, replicas: list[Replica]) -> None:
+        ids = [r.id for r in replicas]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"replica ids must be unique, got {ids}")
+        self._replicas = list(replicas)
+        self._listeners: list[StateListener] = []
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self._replicas)
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return next((r for r in self._replicas if r.id == replica_id), None)
+
+    def ready(self) -> list[Replica]:
+        """Replicas that may receive new requests."""
+        return [r for r in self._replicas if r.state is ReplicaState.READY]
+
+    def served_models(self) -> frozenset[str]:
+        """Model names known from ready replicas (empty until one has reported)."""
+        names: frozenset[str] = frozenset()
+        for r in self._replicas:
+            if r.state is ReplicaState.READY:
+                names |= r.models
+        return names
+
+    def on_state_change(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def set_state(self, replica: Replica, state: ReplicaState, reason: str = "") -> None:
+        old = replica.state
+        if old is state:
+            return
+        replica.state = state
+        replica.state_since = time.monotonic()
+        if state is not ReplicaState.READY:
+            replica.health_successes = 0
+        if reason and state is ReplicaState.DOWN:
+            replica.last_error = reason
+        log.log(
+            logging.WARNING if state is ReplicaState.DOWN else logging.INFO,
+            "replica %s: %s -> %s%s", replica.id, old.value, state.value,
+            f" ({reason})" if reason else "",
+        )
+        for listener in self._listeners:
+            listener(replica, old, state)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take a replica out of rotation now (process died, connection refused)."""
+        if replica.state in (ReplicaState.READY, ReplicaState.STARTING):
+            self.set_state(replica, ReplicaState.DOWN, reason)
+        replica.health_successes = 0
+
+    @contextmanager
+    def lease(self, replica: Replica) -> Iterator[Replica]:
+        """Count one request in flight on `replica` for the duration of the block."""
+        replica.in_flight += 1
+        try:
+            yield replica
+        finally:
+            replica.in_flight -= 1

@@ -1,0 +1,178 @@
+"""`dpserve serve` and `dpserve router`: the router in front, replicas behind.
+
+One asyncio loop runs the router (uvicorn) and, for `serve`, the replica
+supervisor. Shutdown order on SIGINT/SIGTERM: stop accepting connections, let
+in-flight requests finish (bounded by `graceful_shutdown_s`), then stop the
+replicas (SIGTERM → wait → SIGKILL). A second SIGINT skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import uvicorn
+
+from dpserve.config import RouterConfig, ServeConfig
+from dpserve.replicas.launcher import (
+    free_port,
+    plan_replicas,
+    usable_cores,
+    visible_gpus,
+)
+from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
+from dpserve.router.app import Router, build_app
+from dpserve.router.pool import Replica, ReplicaPool
+
+log = logging.getLogger("dpserve.serve")
+
+
+class PortInUseError(OSError):
+    """The router's address cannot be bound."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the router's listening socket up front, so a busy port is a clear error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: dpserve decides the shutdown order."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _uvicorn_server(router: Router, config: RouterConfig) -> _Server:
+    return _Server(uvicorn.Config(
+        build_app(router),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level.lower(),
+        access_log=False,
+        server_header=False,  # per-request logging costs more than the proxying itself
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
+        lifespan="on",
+        http="httptools",
+        loop="uvloop",
+    ))
+
+
+class _Signals:
+    """SIGINT/SIGTERM → `stop` event; a second SIGINT → `force`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_force: Callable[[], None]) -> None:
+        self.stop = asyncio.Event()
+        self._loop = loop
+        self._on_force = on_force
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._handle, sig)
+
+    def _handle(self, sig: int) -> None:
+        if self.stop.is_set() and sig == signal.SIGINT:
+            log.warning("second interrupt: not waiting for in-flight requests")
+            self._on_force()
+        else:
+            log.info("received %s: shutting down", signal.Signals(sig).name)
+        self.stop.set()
+
+    def close(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.remove_signal_handler(sig)
+
+
+async def run_router(config: RouterConfig, replica_urls: list[str]) -> int:
+    """Serve the router alone in front of replicas started elsewhere."""
+    pool = ReplicaPool([
+        Replica(id=f"r{i}", url=url.rstrip("/")) for i, url in enumerate(replica_urls)
+    ])
+    router = Router(pool, config)
+    sock = bind_socket(config.host, config.port)
+    server = _uvicorn_server(router, config)
+    signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    try:
+        serving = asyncio.create_task(server.serve(sockets=[sock]), name="dpserve-router")
+        return await _serve_until_stopped(server, signals, serving)
+    finally:
+        signals.close()
+
+
+async def run_serve(config: ServeConfig) -> int:
+    """Start the replicas and the router; return the process exit code."""
+    run_dir = Path(config.run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    gpus = visible_gpus() if config.gpus is None else config.gpus
+    specs = plan_replicas(config, gpus=gpus, cores=usable_cores(), port=lambda _: free_port(),
+                          run_dir=run_dir)
+    pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device) for s in specs])
+    router = Router(pool, config.router)
+    restarts = router.metrics.replica_restarts
+    supervisor = Supervisor(specs, pool, config,
+                            on_restart=lambda rid: restarts.labels(rid).inc())
+    sock = bind_socket(config.router.host, config.router.port)
+    server = _uvicorn_server(router, config.router)
+    signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    log.info("starting %d replica(s) of %s; logs in %s", len(specs), config.model, run_dir)
+    try:
+        # Router first: /health and /ready answer (503 until a replica is up) while
+        # the engines load, as orchestrators' probes expect.
+        serving = asyncio.create_task(server.serve(sockets=[sock]), name="dpserve-router")
+        starting = asyncio.create_task(supervisor.start(), name="dpserve-start")
+        stopped = asyncio.create_task(signals.stop.wait())
+        done, _ = await asyncio.wait({serving, starting, stopped},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if starting in done:
+            starting.result()  # raises ReplicaStartError
+            log.info("all %d replicas ready; OpenAI API on http://%s:%d/v1", len(specs),
+                     config.router.host, config.router.port)
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ReplicaStartError):
+                await starting
+        if serving in done:
+            log.error("the router stopped unexpectedly (is port %d free?)", config.router.port)
+            return 1
+        stopped.cancel()
+        return await _serve_until_stopped(server, signals, serving)
+    except ReplicaStartError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        server.should_exit = True
+        if not serving.done():
+            with contextlib.suppress(Exception):
+                await serving
+        await supervisor.stop()
+        signals.close()
+        log.info("stopped")
+
+
+async def _serve_until_stopped(
+    server: _Server, signals: _Signals, serving: asyncio.Task[None]
+) -> int:
+    stopped = asyncio.create_task(signals.stop.wait())
+    done, _ = await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if serving in done:
+        stopped.cancel()
+        if signals.stop.is_set():
+            return 0
+        log.error("the router stopped unexpectedly")
+        return 1
+    server.should_exit = True  # stop accepting; uvicorn drains in-flight requests
+    await serving
+    return 0

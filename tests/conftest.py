@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import uvicorn
+
+from dpserve.config import RouterConfig
+from dpserve.router.app import Router, build_app
+from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.serve import bind_socket
+from tests.fakes import FakeReplica
+
+RunningRouter = tuple[str, Router]
+
+
+@contextlib.asynccontextmanager
+async def running_router(urls: list[str], **settings: object) -> AsyncIterator[RunningRouter]:
+    """The real router app on a real socket, in this test's event loop."""
+    config = RouterConfig(**{"health_interval_s": 0.2, **settings})  # type: ignore[arg-type]
+    pool = ReplicaPool([Replica(id=f"r{i}", url=u) for i, u in enumerate(urls)])
+    router = Router(pool, config)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
+                                           lifespan="on", http="httptools"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", router
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def fake_replicas() -> AsyncIterator[Callable[..., FakeReplica]]:
+    """Factory of started FakeReplicas, all stopped after the test."""
+    started: list[FakeReplica] = []
+
+    async def make(name: str, **kw: object) -> FakeReplica:
+        replica = await FakeReplica(name, **kw).start()  # type: ignore[arg-type]
+        started.append(replica)
+        return replica
+
+    yield make  # type: ignore[misc]
+    for r in started:
+        await r.stop()

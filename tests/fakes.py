@@ -1,0 +1,103 @@
+"""Fake replicas for the cases a real vLLM cannot show on cue.
+
+`FakeReplica` is an in-process aiohttp server that speaks just enough of
+vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and can be told
+to misbehave: refuse work with an error, drop the connection before answering,
+cut a stream halfway, or stream slowly. Every test that uses it says so by
+name; the real-vLLM behaviour is covered in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    mode: str = "ok"
+    """ok | error400 | drop (close before answering) | cut (stream 2 chunks then close) | slow"""
+    chunks: int = 4
+    chunk_delay_s: float = 0.0
+    requests: list[dict] = field(default_factory=list)
+    headers_seen: list[CIMultiDict[str]] = field(default_factory=list)
+    open_streams: int = 0
+    closed_streams: int = 0
+    healthy: bool = True
+    _runner: web.AppRunner | None = None
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeReplica:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/collective_rpc",
+                     "/pause", "/sleep", "/reset_prefix_cache"):
+            app.router.add_post(path, self._generate)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers_seen.append(request.headers.copy())  # case-insensitive
+        if self.mode == "error400":
+            return web.json_response(
+                {"error": {"message": f"{self.name} says no", "type": "BadRequestError",
+                           "param": None, "code": 400}}, status=400)
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
+            raise web.HTTPInternalServerError
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "cmpl-1", "object": "text_completion", "model": MODEL,
+                "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
+            })
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        self.open_streams += 1
+        try:
+            for i in range(self.chunks):
+                if self.mode == "cut" and i == 2:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.closed_streams += 1
+            raise
+        finally:
+            self.open_streams -= 1
+        return resp

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from dpserve.config import ConfigError, ServeConfig
+from dpserve.replicas.launcher import plan_replicas, split_cores, visible_gpus
+
+
+def closed_port_url() -> str:
+    """A loopback URL nobody listens on (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def _plan(cfg: ServeConfig, gpus=(), cores=(0, 1)):
+    return plan_replicas(cfg, gpus=list(gpus), cores=list(cores), port=lambda i: 9000 + i,
+                         run_dir=Path("/tmp/run"), python="py")
+
+
+def test_cpu_replicas_get_their_own_cores_and_a_bounded_kv_cache():
+    specs = _plan(ServeConfig(model="m", cpu_kvcache_gib=2), cores=[0, 1, 2, 3])
+    assert [s.device for s in specs] == ["cpu:0,1", "cpu:2,3"]
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0,1", "2,3"]
+    assert all(s.env["VLLM_CPU_KVCACHE_SPACE"] == "2" for s in specs)
+
+
+def test_every_replica_listens_on_loopback_with_dev_mode_for_hot_loading():
+    for spec in _plan(ServeConfig(model="m", vllm_args=["--enforce-eager"])):
+        argv = list(spec.argv)
+        assert argv[argv.index("--host") + 1] == "127.0.0.1"
+        assert argv[argv.index("--port") + 1] == str(spec.port)
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert argv[-1] == "--enforce-eager"
+        assert spec.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert [s.url for s in _plan(ServeConfig(model="m"))] == [
+        "http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+
+
+def test_one_replica_per_visible_gpu_each_seeing_only_its_own():
+    specs = _plan(ServeConfig(model="m"), gpus=[0, 1, 2])
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2"]
+    assert [s.device for s in specs] == ["gpu:0", "gpu:1", "gpu:2"]
+    assert all("VLLM_CPU_OMP_THREADS_BIND" not in s.env for s in specs)
+
+
+def test_named_gpus_and_replica_count_are_honoured():
+    assert [s.device for s in _plan(ServeConfig(model="m", gpus=[3, 5]), gpus=[0])] == [
+        "gpu:3", "gpu:5"]
+    assert len(_plan(ServeConfig(model="m", replicas=2), gpus=[0, 1, 2, 3])) == 2
+    with pytest.raises(ConfigError, match="replicas: 4 replicas need as many GPUs"):
+        _plan(ServeConfig(model="m", replicas=4), gpus=[0, 1])
+
+
+def test_explicit_cpu_binds_override_the_split():
+    specs = _plan(ServeConfig(model="m", replicas=2, cpu_binds="0-3|4-7"))
+    assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0-3", "4-7"]
+
+
+def test_served_model_name_defaults_to_the_model_argument():
+    argv = list(_plan(ServeConfig(model="org/model"))[0].argv)
+    assert argv[argv.index("--served-model-name") + 1] == "org/model"
+
+
+def test_split_cores_shares_cores_when_there_are_more_replicas_than_cores():
+    assert split_cores([0, 1], 2) == ["0", "1"]
+    assert split_cores([0, 1, 2, 3, 4], 2) == ["0,1", "2,3"]
+    assert split_cores([0, 1], 3) == ["0", "1", "0"]
+
+
+def test_visible_gpus_follow_cuda_visible_devices():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []

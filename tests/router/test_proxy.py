@@ -1,0 +1,235 @@
+"""The router's forwarding behaviour, against FakeReplicas (see tests/fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from dpserve.router.pool import ReplicaState
+from tests.conftest import running_router
+from tests.fakes import MODEL
+from tests.replicas.test_launcher import closed_port_url
+
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+
+
+async def test_completion_is_forwarded_and_request_id_echoed(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.post(base + "/v1/completions", json=BODY, headers={"x-request-id": "req-42"})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "from a"
+    assert r.headers["x-request-id"] == "req-42"
+    assert r.headers["x-dpserve-replica"] == "r0"
+    assert a.headers_seen[0]["X-Request-Id"] == "req-42"
+    assert a.requests == [BODY]
+
+
+async def test_request_id_is_generated_when_absent(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r1 = await c.post(base + "/v1/completions", json=BODY)
+        r2 = await c.post(base + "/v1/completions", json=BODY)
+    assert len(r1.headers["x-request-id"]) >= 16
+    assert r1.headers["x-request-id"] != r2.headers["x-request-id"]
+    assert a.headers_seen[0]["X-Request-Id"] == r1.headers["x-request-id"]
+
+
+async def test_round_robin_alternates_between_replicas(fake_replicas):
+    a, b = await fake_replicas("a"), await fake_replicas("b")
+    async with running_router([a.url, b.url], policy="round-robin") as (base, _):
+        async with httpx.AsyncClient() as c:
+            served = [(await c.post(base + "/v1/completions", json=BODY)).headers[
+                "x-dpserve-replica"] for _ in range(4)]
+    assert served == ["r0", "r1", "r0", "r1"]
+
+
+async def test_least_outstanding_avoids_the_busy_replica(fake_replicas):
+    a = await fake_replicas("a", chunks=20, chunk_delay_s=0.05)
+    b = await fake_replicas("b", chunks=20, chunk_delay_s=0.05)
+    async with running_router([a.url, b.url]) as (base, _):
+        async with httpx.AsyncClient(timeout=10) as c:
+            # While a stream holds one replica, the next request must go to the other.
+            async with c.stream("POST", base + "/v1/completions",
+                                json={**BODY, "stream": True}) as s1:
+                first = s1.headers["x-dpserve-replica"]
+                r = await c.post(base + "/v1/completions", json=BODY)
+                assert r.headers["x-dpserve-replica"] != first
+                await s1.aread()
+
+
+@pytest.mark.parametrize("path", ["/collective_rpc", "/pause", "/sleep", "/reset_prefix_cache",
+                                  "/v1/load_lora_adapter", "/admin", "/"])
+async def test_dev_endpoints_are_never_forwarded(fake_replicas, path):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.post(base + path, json={"method": "reload_weights"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == 404
+    assert a.requests == []
+
+
+async def test_wrong_method_is_405_in_the_error_envelope(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.get(base + "/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"model": 7}', 400, "'model' must be a string"),
+    (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "`nope` does not exist"),
+])
+async def test_bad_requests_get_the_openai_error_envelope(fake_replicas, body, status, fragment):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.post(base + "/v1/completions", content=body,
+                         headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert fragment in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    assert a.requests == []
+
+
+async def test_body_over_the_limit_is_413(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url], max_body_bytes=4096) as (base, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/v1/completions", json={**BODY, "prompt": "x" * 5000})
+
+            async def chunked():  # no content-length: counted while reading
+                for _ in range(10):
+                    yield b"x" * 1000
+
+            r2 = await c.post(base + "/v1/completions", content=chunked())
+    assert r.status_code == 413
+    assert r2.status_code == 413
+    assert a.requests == []
+
+
+async def test_no_ready_replica_is_503(fake_replicas):
+    a = await fake_replicas("a")
+    a.healthy = False
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.post(base + "/v1/completions", json=BODY)
+        ready = await c.get(base + "/ready")
+        health = await c.get(base + "/health")
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert ready.status_code == 503
+    assert health.status_code == 200
+
+
+async def test_replica_errors_pass_through_unchanged(fake_replicas):
+    a = await fake_replicas("a", mode="error400")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.post(base + "/v1/completions", json=BODY)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "a says no"
+    assert len(a.requests) == 1  # a client error is not retried elsewhere
+
+
+async def test_refused_connection_is_retried_on_another_replica_and_marked_down(fake_replicas):
+    b = await fake_replicas("b")
+    async with running_router([b.url]) as (base, router):
+        # A second replica that was ready a moment ago and has just died.
+        from dpserve.router.pool import Replica
+
+        dead = Replica(id="dead", url=closed_port_url(), state=ReplicaState.READY,
+                       models=frozenset({MODEL}))
+        router.pool._replicas.append(dead)
+        async with httpx.AsyncClient() as c:
+            results = [await c.post(base + "/v1/completions", json=BODY) for _ in range(4)]
+    assert [r.status_code for r in results] == [200] * 4
+    assert {r.headers["x-dpserve-replica"] for r in results} == {"r0"}
+    assert dead.state is ReplicaState.DOWN
+
+
+async def test_non_stream_request_is_retried_when_the_replica_drops_it(fake_replicas):
+    dropper = await fake_replicas("dropper", mode="drop")
+    good = await fake_replicas("good")
+    async with running_router([dropper.url, good.url], policy="round-robin") as (base, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(base + "/v1/completions", json=BODY)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == "from good"
+    assert len(dropper.requests) == 1
+
+
+async def test_stream_is_passed_through_chunk_by_chunk(fake_replicas):
+    a = await fake_replicas("a", chunks=5, chunk_delay_s=0.1)
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        arrivals = []
+        loop = asyncio.get_running_loop()
+        async with c.stream("POST", base + "/v1/completions",
+                            json={**BODY, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((loop.time(), line))
+    assert arrivals[-1][1] == "data: [DONE]"
+    assert len(arrivals) == 6
+    # Not buffered: the first chunk arrived well before the last one was produced.
+    assert arrivals[-1][0] - arrivals[0][0] >= 0.3
+
+
+async def test_stream_cut_by_the_replica_ends_with_an_error_event(fake_replicas):
+    a = await fake_replicas("a", mode="cut", chunks=6)
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient(timeout=10) as c:
+        async with c.stream("POST", base + "/v1/completions",
+                            json={**BODY, "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert len(lines) == 4  # t0, t1, error event, [DONE]
+    error = json.loads(lines[2].removeprefix("data: "))["error"]
+    assert "stream interrupted" in error["message"]
+    assert lines[-1] == "data: [DONE]"
+
+
+async def test_client_disconnect_closes_the_upstream_stream(fake_replicas):
+    a = await fake_replicas("a", chunks=200, chunk_delay_s=0.05)
+    async with running_router([a.url]) as (base, router):
+        async with httpx.AsyncClient(timeout=10) as c:
+            async with c.stream("POST", base + "/v1/completions",
+                                json={**BODY, "stream": True}) as r:
+                async for _ in r.aiter_lines():
+                    break  # leave after the first line
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while (a.open_streams or router.pool.get("r0").in_flight) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert a.open_streams == 0
+        assert a.closed_streams == 1
+        assert router.pool.get("r0").in_flight == 0
+        metrics = (await httpx.AsyncClient().get(base + "/metrics")).text
+    assert 'dpserve_client_disconnects_total{route="/v1/completions"} 1.0' in metrics
+
+
+async def test_models_come_from_the_replicas(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        r = await c.get(base + "/v1/models")
+    assert [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+async def test_metrics_count_requests_by_replica_and_status_class(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
+        await c.post(base + "/v1/completions", json=BODY)
+        await c.post(base + "/v1/completions", content=b"{bad")
+        text = (await c.get(base + "/metrics")).text
+    assert ('dpserve_requests_total{replica="r0",route="/v1/completions",status_class="2xx"} 1.0'
+            in text)
+    assert ('dpserve_requests_total{replica="none",route="/v1/completions",status_class="4xx"} 1.0'
+            in text)
+    assert 'dpserve_replica_in_flight_requests{replica="r0"} 0.0' in text
+    assert 'dpserve_replica_state{replica="r0",state="ready"} 1.0' in text
+    assert "dpserve_request_duration_seconds_bucket" in text
