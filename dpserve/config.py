@@ -186,7 +186,11 @@ def _resolve(
     try:
         return cls(**values)
     except TypeError as exc:  # a required field without a value
-        missing = [n for n in names if n not in values]
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.name not in values
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
         raise ConfigError(f"missing required setting(s): {', '.join(missing)}") from exc
 
 

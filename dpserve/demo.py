@@ -66,7 +66,8 @@ def run_demo(*, model_dir: Path, replicas: int = 2, port: int = 0) -> int:
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         waited = wait_ready(base, proc, deadline_s=900)
-        print(f"\n== {replicas} replicas ready after {waited:.0f} s; router on {base}\n", flush=True)
+        print(f"\n== {replicas} replicas ready after {waited:.0f} s; router on {base}\n",
+              flush=True)
         client = OpenAI(base_url=base + "/v1", api_key=os.environ.get("DPSERVE_API_KEY", "none"))
 
         print("models:", [m.id for m in client.models.list().data])

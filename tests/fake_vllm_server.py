@@ -1,0 +1,50 @@
+"""A fake vLLM server *process* for supervisor tests (named as a fake).
+
+Speaks `/health` and `/v1/models`, and like vLLM keeps a child process (its
+"engine core") in its process group, so tests can check that stopping a
+replica leaves nothing behind. `--fail-after-s` makes it exit with an error
+before it becomes healthy.
+
+    python tests/fake_vllm_server.py --port P [--fail-after-s S] [--startup-delay-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+
+from aiohttp import web
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--served-model-name", default="fake-model")
+    p.add_argument("--fail-after-s", type=float)
+    p.add_argument("--startup-delay-s", type=float, default=0.0)
+    args, _ = p.parse_known_args()
+
+    child = subprocess.Popen(  # noqa: ASYNC220 (a fake; blocking for a moment is fine)
+        [sys.executable, "-c", "import time; time.sleep(3600)"])
+    print(f"fake engine core pid {child.pid}", flush=True)
+    if args.fail_after_s is not None:
+        await asyncio.sleep(args.fail_after_s)
+        print("RuntimeError: fake engine failed to load the model", flush=True)
+        sys.exit(3)
+    await asyncio.sleep(args.startup_delay_s)
+
+    app = web.Application()
+    app.router.add_get("/health", lambda r: web.Response())
+    app.router.add_get("/v1/models", lambda r: web.json_response(
+        {"object": "list", "data": [{"id": args.served_model_name}]}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", args.port).start()
+    print(f"fake replica listening on {args.port}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

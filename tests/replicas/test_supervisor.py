@@ -1,0 +1,132 @@
+"""The supervisor against fake replica processes (tests/fake_vllm_server.py).
+
+Real vLLM replicas are covered in tests/integration; these cases need a
+replica that fails on cue and must not cost a minute of vLLM start-up each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpserve.config import ServeConfig
+from dpserve.replicas.launcher import ReplicaSpec, free_port
+from dpserve.replicas.supervisor import ReplicaStartError, Supervisor, restart_delay
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+
+FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
+
+
+def fake_specs(tmp_path: Path, n: int, *extra: str) -> list[ReplicaSpec]:
+    specs = []
+    for i in range(n):
+        port = free_port()
+        specs.append(ReplicaSpec(
+            id=f"r{i}", port=port, device="cpu:0",
+            argv=(sys.executable, FAKE, "--port", str(port), *extra),
+            env={}, log_path=tmp_path / f"replica-r{i}.log",
+        ))
+    return specs
+
+
+def setup(tmp_path: Path, n: int, *extra: str, **cfg: object):
+    specs = fake_specs(tmp_path, n, *extra)
+    pool = ReplicaPool([Replica(id=s.id, url=s.url) for s in specs])
+    settings = {"startup_timeout_s": 20, "restart_backoff_s": 0.2, "stop_timeout_s": 5, **cfg}
+    config = ServeConfig(model="fake", **settings)  # type: ignore[arg-type]
+    return Supervisor(specs, pool, config), pool
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid and alive(int(entry)):
+                    pids.append(int(entry))
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+    return pids
+
+
+async def wait_for(cond, within_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {within_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_restart_backoff_doubles_up_to_the_cap():
+    assert [restart_delay(n, 1.0, 10.0) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
+
+
+async def test_stop_leaves_no_process_of_any_replica(tmp_path):
+    sup, _ = setup(tmp_path, 2)
+    await sup.start()
+    pids = sup.pids
+    assert all(len(group_pids(p)) == 2 for p in pids.values())  # server + "engine core"
+    await sup.stop()
+    assert all(group_pids(p) == [] for p in pids.values())
+
+
+async def test_a_replica_that_exits_at_startup_is_a_clear_error_with_its_log(tmp_path):
+    sup, _ = setup(tmp_path, 1, "--fail-after-s", "0.2")
+    try:
+        with pytest.raises(ReplicaStartError) as exc:
+            await sup.start()
+    finally:
+        await sup.stop()
+    message = str(exc.value)
+    assert "replica r0 failed to start: process exited with code 3" in message
+    assert "fake engine failed to load the model" in message
+
+
+async def test_a_replica_that_never_gets_healthy_times_out_with_its_log(tmp_path):
+    sup, _ = setup(tmp_path, 1, "--startup-delay-s", "60", startup_timeout_s=1.0)
+    try:
+        with pytest.raises(ReplicaStartError, match="no healthy /health within 1 s"):
+            await sup.start()
+    finally:
+        await sup.stop()
+
+
+async def test_a_replica_that_dies_is_taken_out_at_once_and_restarted(tmp_path):
+    sup, pool = setup(tmp_path, 2)
+    restarted = []
+    sup._on_restart = restarted.append
+    await sup.start()
+    try:
+        for r in pool:  # the router's health loop would do this
+            pool.set_state(r, ReplicaState.READY)
+        old_pid = sup.pids["r0"]
+        loop = asyncio.get_running_loop()
+        killed_at = loop.time()
+        os.killpg(old_pid, signal.SIGKILL)
+        await wait_for(lambda: pool.get("r0").state is not ReplicaState.READY, 1.0,
+                       "r0 to leave rotation")
+        assert loop.time() - killed_at < 1.0
+        assert [r.id for r in pool.ready()] == ["r1"]
+        await wait_for(lambda: sup.pids["r0"] != old_pid and sup._replicas[0].ready.is_set(),
+                       15.0, "r0 to be restarted and healthy")
+        assert restarted == ["r0"]
+        assert group_pids(old_pid) == []
+        assert pool.get("r0").state is ReplicaState.STARTING  # health loop re-admits it
+    finally:
+        await sup.stop()

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+
+from dpserve.config import ConfigError, build_router_config, build_serve_config, load_yaml
+
+
+def test_flags_beat_env_beat_file_beat_defaults():
+    file = {"model": "from-file", "replicas": 3, "router": {"port": 7000, "policy": "round-robin"}}
+    env = {"DPSERVE_REPLICAS": "4", "DPSERVE_PORT": "7100"}
+    cfg = build_serve_config({"port": 7200}, file, env)
+    assert cfg.model == "from-file"       # file
+    assert cfg.replicas == 4              # env over file
+    assert cfg.router.port == 7200        # flag over env and file
+    assert cfg.router.policy == "round-robin"
+    assert cfg.router.host == "127.0.0.1"  # default
+
+
+def test_env_values_are_parsed_to_the_declared_types():
+    env = {"DPSERVE_GPUS": "0, 2", "DPSERVE_CPU_KVCACHE_GIB": "1.5",
+           "DPSERVE_HEALTH_INTERVAL_S": "0.5"}
+    cfg = build_serve_config({"model": "m"}, {}, env)
+    assert cfg.gpus == [0, 2]
+    assert cfg.cpu_kvcache_gib == 1.5
+    assert cfg.router.health_interval_s == 0.5
+
+
+@pytest.mark.parametrize(("flags", "env", "message"), [
+    ({}, {}, "missing required setting(s): model"),
+    ({"model": "m", "port": 70000}, {}, "router.port: must be in 0..65535, got 70000"),
+    ({"model": "m", "policy": "fastest"}, {}, "router.policy: must be one of"),
+    ({"model": "m", "replicas": 0}, {}, "replicas: must be >= 1, got 0"),
+    ({"model": "m"}, {"DPSERVE_REPLICAS": "two"}, "replicas: expected an integer, got 'two'"),
+    ({"model": "m", "gpus": [0, 0]}, {}, "gpus: must not repeat a GPU"),
+    ({"model": "m", "gpus": [0, 1], "replicas": 3}, {}, "replicas: must equal the number"),
+    ({"model": "m", "cpu_binds": "0-3|x"}, {}, "cpu_binds: must be core lists"),
+    ({"model": "m", "vllm_args": ["--port", "9"]}, {}, "vllm_args: must not set --host"),
+    ({"model": "m", "max_attempts": 0}, {}, "router.max_attempts: must be >= 1"),
+    ({"model": "m", "restart_backoff_s": 5, "restart_backoff_max_s": 1}, {},
+     "restart_backoff_max_s: must be >= restart_backoff_s"),
+])
+def test_invalid_settings_are_refused_naming_the_setting(flags, env, message):
+    with pytest.raises(ConfigError) as exc:
+        build_serve_config(flags, {}, env)
+    assert message in str(exc.value)
+
+
+def test_unknown_keys_in_the_file_are_refused():
+    with pytest.raises(ConfigError, match=r"unknown setting.*router\.prot"):
+        build_serve_config({"model": "m"}, {"router": {"prot": 1}}, {})
+    with pytest.raises(ConfigError, match=r"unknown setting.*replica\b"):
+        build_serve_config({"model": "m"}, {"replica": 1}, {})
+
+
+def test_file_values_must_have_the_right_type():
+    with pytest.raises(ConfigError, match=r"router\.port: expected an integer, got 'eighty'"):
+        build_router_config({}, {"port": "eighty"}, {})
+    with pytest.raises(ConfigError, match="gpus: expected a list of an integer"):
+        build_serve_config({"model": "m"}, {"gpus": ["a"]}, {})
+
+
+def test_yaml_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("model: m\nrouter:\n  port: 9000\n")
+    assert build_serve_config({}, load_yaml(good), {}).router.port == 9000
