@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
+
 from dpserve import __version__
 from dpserve.config import (
     POLICIES,
@@ -96,6 +98,7 @@ def _setup_logging(level: str) -> None:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    prometheus_client.disable_created_metrics()  # `_created` series double every counter
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,8 +21,11 @@ import httpx
 from dpserve.replicas.launcher import free_port
 
 # vLLM flags for the tiny model: eager mode starts ~2x faster on CPU and the
-# model is too small for graph capture to matter.
-TINY_VLLM_ARGS = ("--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "32")
+# model is too small for graph capture to matter; float32 because vLLM's
+# `--dtype auto` would serve the float32 checkpoint in bfloat16.
+TINY_VLLM_ARGS = (
+    "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32",
+)
 
 
 def serve_command(model_dir: Path, *, replicas: int, port: int, served_name: str,

@@ -138,7 +138,7 @@ async def run_serve(config: ServeConfig) -> int:
                                      return_when=asyncio.FIRST_COMPLETED)
         if starting in done:
             starting.result()  # raises ReplicaStartError
-            log.info("all %d replicas ready; OpenAI API on http://%s:%d/v1", len(specs),
+            log.info("all %d replicas healthy; OpenAI API on http://%s:%d/v1", len(specs),
                      config.router.host, config.router.port)
         else:
             starting.cancel()

@@ -99,6 +99,8 @@ def plan_replicas(
     `port(i)` gives replica i's port (free ports in production, fixed ones in tests).
     """
     served_name = cfg.served_model_name or cfg.model
+    # A local model directory is passed absolute: replica logs then say exactly what loaded.
+    model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     use_gpus = cfg.gpus if cfg.gpus is not None else gpus
     if use_gpus:
         if cfg.replicas is not None and cfg.replicas > len(use_gpus):
@@ -128,7 +130,7 @@ def plan_replicas(
         replica_port = port(i)
         argv = (
             python, *VLLM_ENTRY,
-            "--model", cfg.model,
+            "--model", model,
             "--served-model-name", served_name,
             "--host", "127.0.0.1",
             "--port", str(replica_port),

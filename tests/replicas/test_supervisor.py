@@ -18,6 +18,7 @@ from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import ReplicaSpec, free_port
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor, restart_delay
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from tests.procs import processes_in_group
 
 FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
 
@@ -42,28 +43,6 @@ def setup(tmp_path: Path, n: int, *extra: str, **cfg: object):
     return Supervisor(specs, pool, config), pool
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purpose.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid and alive(int(entry)):
-                    pids.append(int(entry))
-            except (ProcessLookupError, FileNotFoundError):
-                pass
-    return pids
-
-
 async def wait_for(cond, within_s: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
@@ -81,9 +60,9 @@ async def test_stop_leaves_no_process_of_any_replica(tmp_path):
     sup, _ = setup(tmp_path, 2)
     await sup.start()
     pids = sup.pids
-    assert all(len(group_pids(p)) == 2 for p in pids.values())  # server + "engine core"
+    assert all(len(processes_in_group(p)) == 2 for p in pids.values())  # server + "engine core"
     await sup.stop()
-    assert all(group_pids(p) == [] for p in pids.values())
+    assert all(processes_in_group(p) == [] for p in pids.values())
 
 
 async def test_a_replica_that_exits_at_startup_is_a_clear_error_with_its_log(tmp_path):
@@ -126,7 +105,7 @@ async def test_a_replica_that_dies_is_taken_out_at_once_and_restarted(tmp_path):
         await wait_for(lambda: sup.pids["r0"] != old_pid and sup._replicas[0].ready.is_set(),
                        15.0, "r0 to be restarted and healthy")
         assert restarted == ["r0"]
-        assert group_pids(old_pid) == []
+        assert processes_in_group(old_pid) == []
         assert pool.get("r0").state is ReplicaState.STARTING  # health loop re-admits it
     finally:
         await sup.stop()

@@ -1,0 +1,110 @@
+"""A real 2-replica deployment (vLLM on CPU, the tiny model), started once per session."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dpserve.demo import serve_command, wait_ready
+from dpserve.replicas.launcher import free_port
+from tests.procs import process_alive, processes_in_group
+
+__all__ = ["process_alive", "processes_in_group"]
+
+MODEL_NAME = "dpserve-tiny-llama"
+READY_DEADLINE_S = 600.0
+_STARTED = re.compile(r"replica (r\d+): started pid (\d+) on \S+, port (\d+)")
+
+
+def offline_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+@dataclass
+class Deployment:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def replicas(self) -> dict[str, tuple[int, int]]:
+        """Latest (pid, port) of each replica, read from the supervisor's log."""
+        found: dict[str, tuple[int, int]] = {}
+        for rid, pid, port in _STARTED.findall(self.log()):
+            found[rid] = (int(pid), int(port))
+        return found
+
+    def stop(self, timeout: float = 120.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dpserve.tinymodel import build_tiny_model
+
+    prebuilt = os.environ.get("DPSERVE_TEST_MODEL")
+    target = Path(prebuilt) if prebuilt else tmp_path_factory.mktemp("model") / "tiny-llama"
+    return build_tiny_model(target)
+
+
+def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment:
+    port = free_port()
+    log_path = workdir / "serve.log"
+    cmd = serve_command(model, replicas=replicas, port=port, served_name=MODEL_NAME,
+                        run_dir=workdir / "runs")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
+                                start_new_session=True)
+    deployment = Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        wait_ready(deployment.base_url, proc, READY_DEADLINE_S)
+    except BaseException:
+        deployment.stop()
+        raise RuntimeError(f"deployment did not start:\n{deployment.log()[-5000:]}") from None
+    return deployment
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve"), replicas=2)
+    yield d
+    d.stop()
+
+
+def poll(cond, within_s: float, what: str, interval_s: float = 0.2):
+    deadline = time.monotonic() + within_s
+    while True:
+        result = cond()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def replica_metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,179 @@
+"""`dpserve serve` end to end: real vLLM replicas (CPU) behind the router, the
+official `openai` client in front. The deployment starts once per session."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import MODEL_NAME, Deployment, poll, replica_metric
+from tests.procs import processes_in_group
+
+pytestmark = pytest.mark.vllm
+
+
+def client(d: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_through_the_openai_client(deployment):
+    c = client(deployment).completions.create(
+        model=MODEL_NAME, prompt="The river ran", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert c.model == MODEL_NAME
+    assert c.usage.completion_tokens == 8
+    assert c.choices[0].text
+
+
+def test_greedy_completions_agree_across_replicas(deployment):
+    """Every replica holds the same full model: same prompt, same greedy answer."""
+    answers = {}
+    with httpx.Client(timeout=60) as h:
+        for _ in range(8):
+            r = h.post(deployment.base_url + "/v1/completions", json={
+                "model": MODEL_NAME, "prompt": "A quiet morning", "max_tokens": 6,
+                "temperature": 0})
+            answers.setdefault(r.headers["x-dpserve-replica"], set()).add(
+                r.json()["choices"][0]["text"])
+    assert all(len(texts) == 1 for texts in answers.values())
+    assert len({t for texts in answers.values() for t in texts}) == 1
+
+
+def test_streaming_chat_arrives_in_chunks_with_usage(deployment):
+    stream = client(deployment).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=12, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(content) >= 2  # streamed, not one buffered blob
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_models_lists_the_served_model(deployment):
+    assert [m.id for m in client(deployment).models.list().data] == [MODEL_NAME]
+
+
+def test_unknown_model_is_a_404_from_the_router(deployment):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(deployment).completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert "no-such-model" in str(exc.value)
+
+
+def test_tokenize_and_detokenize_are_forwarded(deployment):
+    with httpx.Client(base_url=deployment.base_url, timeout=30) as h:
+        tokens = h.post("/tokenize", json={"model": MODEL_NAME, "prompt": "hello world"}).json()
+        text = h.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens["tokens"]})
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert "hello world" in text.json()["prompt"]
+
+
+async def test_concurrent_requests_spread_over_both_replicas(deployment):
+    async with openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="unused",
+                                  max_retries=0) as c:
+        responses = await asyncio.gather(*(
+            c.completions.with_raw_response.create(
+                model=MODEL_NAME, prompt=f"Story {i}", max_tokens=16,
+                extra_body={"ignore_eos": True})
+            for i in range(6)
+        ))
+    served_by = [r.headers["x-dpserve-replica"] for r in responses]
+    assert set(served_by) == {"r0", "r1"}
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/resume"),
+    ("POST", "/sleep"), ("POST", "/reset_prefix_cache"), ("POST", "/update_weight_version"),
+    ("GET", "/is_paused"), ("GET", "/server_info"),
+])
+def test_vllm_dev_endpoints_are_not_reachable_through_the_router(deployment, method, path):
+    routed = httpx.request(method, deployment.base_url + path, timeout=10,
+                           json={"method": "get_model_config"} if method == "POST" else None)
+    assert routed.status_code == 404
+    assert routed.json()["error"]["code"] == 404
+
+
+def test_dev_mode_is_on_behind_the_router(deployment):
+    """The dev endpoints exist on the replicas (hot-loading needs them): only the
+    router's allow-list keeps them from clients."""
+    _, port = deployment.replicas()["r0"]
+    direct = httpx.get(f"http://127.0.0.1:{port}/is_paused", timeout=10)
+    assert direct.status_code == 200
+    assert direct.json() == {"is_paused": False}
+    assert httpx.get(deployment.base_url + "/is_paused", timeout=10).status_code == 404
+
+
+def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
+    ports = [port for _, port in deployment.replicas().values()]
+    running = "vllm:num_requests_running"
+    with httpx.Client(timeout=60) as h, h.stream(
+        "POST", deployment.base_url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "Long story", "max_tokens": 900,
+              "ignore_eos": True, "stream": True},
+    ) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert sum(replica_metric(p, running) for p in ports) >= 1
+    # The client is gone: vLLM must abort, long before 900 tokens could be made.
+    poll(lambda: sum(replica_metric(p, running) for p in ports) == 0, 15,
+         "the replica's running-request count to fall back to 0")
+    metrics = httpx.get(deployment.base_url + "/metrics").text
+    assert 'dpserve_client_disconnects_total{route="/v1/completions"}' in metrics
+
+
+def test_router_metrics_describe_the_replicas(deployment):
+    text = httpx.get(deployment.base_url + "/metrics").text
+    for rid in ("r0", "r1"):
+        assert f'dpserve_replica_state{{replica="{rid}",state="ready"}} 1.0' in text
+        assert f'dpserve_replica_in_flight_requests{{replica="{rid}"}}' in text
+    assert "dpserve_request_duration_seconds_bucket" in text
+    assert "vllm:" not in text  # never re-exported under vLLM's names
+
+
+def test_loadtest_measures_the_deployment(deployment, capsys):
+    from loadtest.cli import main as loadtest
+
+    code = loadtest(["run", "--base-url", deployment.base_url, "--model", MODEL_NAME,
+                     "--num-prompts", "8", "--max-concurrency", "4", "--max-tokens", "8"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (summary["completed"], summary["failed"]) == (8, 0)
+    assert 0 < summary["ttft"]["median_ms"] < summary["e2el"]["median_ms"]
+    assert summary["tpot"]["median_ms"] > 0
+    assert summary["output_token_throughput"] > 0
+
+
+def test_a_killed_replica_is_routed_around_and_restarted(deployment):
+    """Runs last in this module: it takes r0 away for the length of a vLLM restart."""
+    old_pid, _ = deployment.replicas()["r0"]
+    os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
+    with httpx.Client(timeout=60) as h:
+        served = []
+        for i in range(6):
+            r = h.post(deployment.base_url + "/v1/completions", json={
+                "model": MODEL_NAME, "prompt": f"after the crash {i}", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            served.append(r.headers["x-dpserve-replica"])
+    assert served == ["r1"] * 6  # a request that found r0 dead was retried on r1
+    assert processes_in_group(old_pid) == []
+
+    def r0_ready() -> bool:
+        text = httpx.get(deployment.base_url + "/metrics").text
+        return 'dpserve_replica_state{replica="r0",state="ready"} 1.0' in text
+
+    poll(r0_ready, 300, "r0 to be restarted and ready again", interval_s=1.0)
+    new_pid, _ = deployment.replicas()["r0"]
+    assert new_pid != old_pid
+    metrics = httpx.get(deployment.base_url + "/metrics").text
+    assert 'dpserve_replica_restarts_total{replica="r0"} 1.0' in metrics
+    r = httpx.post(deployment.base_url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": "back again", "max_tokens": 4})
+    assert r.status_code == 200
