@@ -9,6 +9,7 @@ then shuts it down with SIGTERM and checks it exited cleanly.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import subprocess
@@ -56,11 +57,18 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], deadline_s: float) 
     raise TimeoutError(f"router at {base_url} not ready within {deadline_s:g} s")
 
 
+def printable(text: str) -> str:
+    """The tiny model's random weights emit control bytes; keep the terminal sane."""
+    return "".join(ch if ch.isprintable() else "·" for ch in text)
+
+
 def run_demo(*, model_dir: Path, replicas: int = 2, port: int = 0) -> int:
     from openai import OpenAI
 
     from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 
+    for noisy in ("httpx", "httpx2"):  # the openai client logs every request at INFO
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     model_dir = build_tiny_model(model_dir)
     port = port or free_port()
     base = f"http://127.0.0.1:{port}"
@@ -76,12 +84,12 @@ def run_demo(*, model_dir: Path, replicas: int = 2, port: int = 0) -> int:
         print("models:", [m.id for m in client.models.list().data])
         c = client.completions.create(model=TINY_MODEL_NAME, prompt="Once upon a time",
                                       max_tokens=24, temperature=0)
-        print(f"\ncompletion: Once upon a time|{c.choices[0].text!r}")
+        print(f"\ncompletion: Once upon a time|{printable(c.choices[0].text)}")
         chat = client.chat.completions.create(
             model=TINY_MODEL_NAME, max_tokens=24, temperature=0,
             messages=[{"role": "user", "content": "Tell me about the sea."}],
         )
-        print(f"chat: {chat.choices[0].message.content!r}")
+        print(f"chat: {printable(chat.choices[0].message.content or '')}")
         print("streamed chat: ", end="", flush=True)
         stream = client.chat.completions.create(
             model=TINY_MODEL_NAME, max_tokens=24, temperature=0.8, stream=True,
@@ -89,7 +97,7 @@ def run_demo(*, model_dir: Path, replicas: int = 2, port: int = 0) -> int:
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
-                print(chunk.choices[0].delta.content, end="", flush=True)
+                print(printable(chunk.choices[0].delta.content), end="", flush=True)
         print()
 
         served_by: collections.Counter[str] = collections.Counter()
