@@ -21,14 +21,14 @@ demo: model
 	$(BIN)/dpserve demo --model $(MODEL_DIR)
 
 test: model
-	$(BIN)/ruff check dpserve loadtest tests benchmarks
+	$(BIN)/ruff check .
 	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check dpserve loadtest tests benchmarks
+	$(BIN)/ruff check .
 
 bench: install
 	$(BIN)/python benchmarks/router_overhead.py

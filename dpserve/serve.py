@@ -65,6 +65,7 @@ def _uvicorn_server(router: Router, config: RouterConfig) -> _Server:
         host=config.host,
         port=config.port,
         log_level=config.log_level.lower(),
+        log_config=None,  # uvicorn's loggers propagate to ours: one format in the output
         access_log=False,
         server_header=False,  # per-request logging costs more than the proxying itself
         timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
