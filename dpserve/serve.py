@@ -40,8 +40,12 @@ class PortInUseError(OSError):
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the router's listening socket up front, so a busy port is a clear error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listening socket names its protocol. Without it, Nagle holds back the
+    # body behind the headers until the client's delayed ACK: +40 ms per request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -71,7 +75,6 @@ def _uvicorn_server(router: Router, config: RouterConfig) -> _Server:
         timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
         lifespan="on",
         http="httptools",
-        loop="uvloop",
     ))
 
 
