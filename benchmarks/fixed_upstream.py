@@ -1,0 +1,214 @@
+"""A fake OpenAI upstream that answers every request with the same fixed bytes.
+
+This is a *fake* replica for benchmarking the router's data plane: it does no
+inference, so the time it spends per request is as small and as constant as an
+aiohttp server allows, and whatever a client measures through the router on
+top of a direct call is the router's own cost.
+
+    python benchmarks/fixed_upstream.py --port 9001 [--model NAME] [--chunks 16]
+
+Routes:
+- ``GET /health`` -> 200, empty body.
+- ``GET /v1/models`` -> one model, ``NAME``.
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` -> a small fixed
+  completion JSON; with ``"stream": true`` in the body, ``--chunks`` fixed SSE
+  ``data: {...}`` events followed by ``data: [DONE]``.
+- ``GET /metrics`` -> 200, empty body.
+
+Bodies are serialized once at start-up. The request body is parsed only to read
+``stream``, as a real server would. Runs on uvloop when it is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+JSON_TYPE = "application/json"
+SSE_TYPE = "text/event-stream"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FixedBodies:
+    """Every byte string the server sends, built once."""
+
+    models: bytes
+    completion: bytes
+    completion_chunks: tuple[bytes, ...]
+    chat: bytes
+    chat_chunks: tuple[bytes, ...]
+
+
+def _sse(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def build_bodies(model: str, chunks: int) -> FixedBodies:
+    """Build the fixed OpenAI-shaped bodies for ``model`` and ``chunks`` SSE events."""
+    usage = {"prompt_tokens": 4, "completion_tokens": chunks, "total_tokens": 4 + chunks}
+    completion = {
+        "id": "cmpl-fixed",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": " hello world", "logprobs": None, "finish_reason": "length"}
+        ],
+        "usage": usage,
+    }
+    chat = {
+        "id": "chatcmpl-fixed",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hello world"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": usage,
+    }
+
+    def completion_chunk(i: int) -> bytes:
+        last = i == chunks - 1
+        choice = {
+            "index": 0,
+            "text": f" t{i}",
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+        }
+        return _sse(
+            {
+                "id": "cmpl-fixed",
+                "object": "text_completion",
+                "created": 0,
+                "model": model,
+                "choices": [choice],
+            }
+        )
+
+    def chat_chunk(i: int) -> bytes:
+        last = i == chunks - 1
+        delta = {"role": "assistant", "content": f" t{i}"} if i == 0 else {"content": f" t{i}"}
+        choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+        return _sse(
+            {
+                "id": "chatcmpl-fixed",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": model,
+                "choices": [choice],
+            }
+        )
+
+    models = {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "dpserve"}],
+    }
+    return FixedBodies(
+        models=json.dumps(models).encode(),
+        completion=json.dumps(completion).encode(),
+        completion_chunks=tuple(completion_chunk(i) for i in range(chunks)),
+        chat=json.dumps(chat).encode(),
+        chat_chunks=tuple(chat_chunk(i) for i in range(chunks)),
+    )
+
+
+async def _wants_stream(request: web.Request) -> bool:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(body, dict) and body.get("stream") is True
+
+
+async def _stream(request: web.Request, events: tuple[bytes, ...]) -> web.StreamResponse:
+    response = web.StreamResponse(
+        status=200, headers={"Content-Type": SSE_TYPE, "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    for event in events:
+        await response.write(event)
+    await response.write(DONE_EVENT)
+    await response.write_eof()
+    return response
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _generation_handler(body: bytes, events: tuple[bytes, ...]) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if await _wants_stream(request):
+            return await _stream(request, events)
+        return web.Response(body=body, content_type=JSON_TYPE)
+
+    return handle
+
+
+def build_app(bodies: FixedBodies) -> web.Application:
+    """The aiohttp application serving ``bodies``."""
+
+    async def empty(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=bodies.models, content_type=JSON_TYPE)
+
+    app = web.Application()
+    app.router.add_get("/health", empty)
+    app.router.add_get("/metrics", empty)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post(
+        "/v1/completions", _generation_handler(bodies.completion, bodies.completion_chunks)
+    )
+    app.router.add_post(
+        "/v1/chat/completions", _generation_handler(bodies.chat, bodies.chat_chunks)
+    )
+    return app
+
+
+async def serve(host: str, port: int, bodies: FixedBodies) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    runner = web.AppRunner(build_app(bodies), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fixed-model")
+    parser.add_argument("--chunks", type=int, default=16, help="SSE events per streamed reply")
+    args = parser.parse_args()
+    if args.chunks < 1:
+        parser.error("--chunks must be at least 1")
+    coro = serve(args.host, args.port, build_bodies(args.model, args.chunks))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    main()
