@@ -106,7 +106,7 @@ class ProxyEndpoint:
         watcher: asyncio.Task[None] | None = None
         try:
             body, info, stream = await self._read_request(scope, receive)
-            watcher = _watch_disconnect(receive, asyncio.current_task())
+            watcher = _watch_disconnect(receive, asyncio.current_task(), replied)
             served_by, status = await self._forward(scope, body, info, stream, request_id,
                                                     replied, start)
         except RouterError as exc:
@@ -277,28 +277,36 @@ class ProxyEndpoint:
 class _ReplyTracker:
     """Wraps ASGI `send` and remembers whether the response has started."""
 
-    __slots__ = ("_send", "started")
+    __slots__ = ("_send", "finished", "started")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = False
+        self.finished = False
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, *, more: bool) -> None:
+        self.finished = not more
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-def _watch_disconnect(receive: Receive, task: asyncio.Task[Any] | None) -> asyncio.Task[None]:
-    """Cancel `task` if the client disconnects while its request is being served."""
+def _watch_disconnect(
+    receive: Receive, task: asyncio.Task[Any] | None, replied: _ReplyTracker
+) -> asyncio.Task[None]:
+    """Cancel `task` if the client disconnects while its request is being served.
+
+    The server also reports `http.disconnect` once the response is complete;
+    that one must not cancel anything, hence the `finished` check.
+    """
 
     async def watch() -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if task is not None:
+                if task is not None and not replied.finished:
                     task.cancel()
                 return
 

@@ -233,3 +233,30 @@ async def test_metrics_count_requests_by_replica_and_status_class(fake_replicas)
     assert 'dpserve_replica_in_flight_requests{replica="r0"} 0.0' in text
     assert 'dpserve_replica_state{replica="r0",state="ready"} 1.0' in text
     assert "dpserve_request_duration_seconds_bucket" in text
+
+
+def test_the_listening_socket_disables_nagle():
+    """Without TCP_NODELAY on accepted connections, a keep-alive client waits for
+    its own delayed ACK (~40 ms) between a response's headers and its body."""
+    import socket
+
+    from dpserve.serve import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP  # asyncio keys TCP_NODELAY on this
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        sock.close()
+
+
+def test_a_busy_port_is_a_clear_error():
+    from dpserve.serve import PortInUseError, bind_socket
+
+    taken = bind_socket("127.0.0.1", 0)
+    taken.listen()
+    try:
+        with pytest.raises(PortInUseError, match=r"cannot listen on 127\.0\.0\.1:\d+"):
+            bind_socket("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()
