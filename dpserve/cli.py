@@ -38,6 +38,8 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-shutdown-s", type=float,
                    help="time in-flight requests get on shutdown")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--api-key-file",
+                   help="file with the key clients must send (or set DPSERVE_API_KEY)")
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 

@@ -70,6 +70,12 @@ class RouterConfig:
     """On SIGTERM/SIGINT, how long in-flight requests may run before being cut."""
     log_level: str = "info"
     """Log level of the router and supervisor (debug, info, warning, error)."""
+    api_key: str | None = field(default=None, repr=False)
+    """Key clients must send as `Authorization: Bearer KEY` on the API paths
+    (`/health`, `/ready`, `/metrics` stay open). Set it through DPSERVE_API_KEY or
+    `api_key_file`, never on the command line, where `ps` would show it."""
+    api_key_file: str | None = None
+    """File holding the API key (e.g. a mounted Kubernetes secret); read at start-up."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +140,19 @@ def build_router_config(
     cfg = _resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
                    prefix="router.")
     _validate_router(cfg)
+    if cfg.api_key_file is not None:
+        cfg = dataclasses.replace(cfg, api_key=_read_key(cfg.api_key_file))
     return cfg
+
+
+def _read_key(path: str) -> str:
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"router.api_key_file: cannot read {path}: {exc.strerror}") from None
+    if not key:
+        raise ConfigError(f"router.api_key_file: {path} is empty")
+    return key
 
 
 def build_serve_config(
@@ -272,6 +290,9 @@ def _validate_router(c: RouterConfig) -> None:
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold"):
         value = getattr(c, name)
         _require(value >= 1, f"router.{name}", "must be >= 1", value)
+    if c.api_key is not None:
+        _require(len(c.api_key) >= 8, "router.api_key", "must be at least 8 characters",
+                 "<hidden>")
     _require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              "router.log_level", "must be debug, info, warning, error or critical", c.log_level)
 

@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
+from dpserve.router.auth import RequireApiKey
 from dpserve.router.errors import error_response
 from dpserve.router.health import HealthChecker
 from dpserve.router.policies import make_policy
@@ -130,8 +131,11 @@ def build_app(router: Router) -> Starlette:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "internal router error")
 
-    return Starlette(
+    app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
+    if router.config.api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=router.config.api_key)
+    return app
