@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import subprocess
 import sys
 
@@ -29,6 +30,12 @@ async def main() -> None:
     child = subprocess.Popen(  # noqa: ASYNC220 (a fake; blocking for a moment is fine)
         [sys.executable, "-c", "import time; time.sleep(3600)"])
     print(f"fake engine core pid {child.pid}", flush=True)
+
+    def shutdown() -> None:  # like vLLM: SIGTERM stops the engine core too
+        child.terminate()
+        sys.exit(0)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown)
     if args.fail_after_s is not None:
         await asyncio.sleep(args.fail_after_s)
         print("RuntimeError: fake engine failed to load the model", flush=True)

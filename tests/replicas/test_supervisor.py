@@ -109,3 +109,49 @@ async def test_a_replica_that_dies_is_taken_out_at_once_and_restarted(tmp_path):
         assert pool.get("r0").state is ReplicaState.STARTING  # health loop re-admits it
     finally:
         await sup.stop()
+
+
+_SUPERVISOR_SCRIPT = """
+import asyncio, json, sys
+from pathlib import Path
+from dpserve.config import ServeConfig
+from dpserve.replicas.launcher import ReplicaSpec
+from dpserve.replicas.supervisor import Supervisor
+from dpserve.router.pool import Replica, ReplicaPool
+
+async def main():
+    spec = ReplicaSpec(**json.loads(sys.argv[1]), log_path=Path(sys.argv[2]))
+    sup = Supervisor([spec], ReplicaPool([Replica(id=spec.id, url=spec.url)]),
+                     ServeConfig(model="fake", startup_timeout_s=20))
+    await sup.start()
+    print(sup.pids[spec.id], flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_replicas_die_with_a_supervisor_that_was_killed(tmp_path):
+    """SIGKILL gives the supervisor no chance to clean up: the replicas must
+    still not outlive it (they get SIGTERM when their parent dies)."""
+    import json
+    import subprocess
+    import time
+
+    (spec,) = fake_specs(tmp_path, 1)
+    fields = {"id": spec.id, "port": spec.port, "device": spec.device,
+              "argv": list(spec.argv), "env": spec.env}
+    proc = subprocess.Popen([sys.executable, "-c", _SUPERVISOR_SCRIPT, json.dumps(fields),
+                             str(spec.log_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        replica_pid = int(proc.stdout.readline())
+        assert len(processes_in_group(replica_pid)) == 2
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while processes_in_group(replica_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_in_group(replica_pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
