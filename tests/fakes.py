@@ -23,7 +23,8 @@ MODEL = "fake-model"
 class FakeReplica:
     name: str
     mode: str = "ok"
-    """ok | error400 | drop (close before answering) | cut (stream 2 chunks then close) | slow"""
+    """ok | error400 | drop (close before answering) | cut (stream 2 chunks then close)
+    | hang (answer nothing; streams hang after their first chunk)"""
     chunks: int = 4
     chunk_delay_s: float = 0.0
     requests: list[dict] = field(default_factory=list)
@@ -45,7 +46,8 @@ class FakeReplica:
         for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/collective_rpc",
                      "/pause", "/sleep", "/reset_prefix_cache"):
             app.router.add_post(path, self._generate)
-        self._runner = web.AppRunner(app, handle_signals=False)
+        # Short shutdown: a "hang" handler must not hold the test for a minute.
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -75,6 +77,8 @@ class FakeReplica:
             request.transport.close()
             await asyncio.sleep(1)
             raise web.HTTPInternalServerError
+        if self.mode == "hang" and not body.get("stream"):
+            await asyncio.sleep(3600)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,
@@ -85,6 +89,8 @@ class FakeReplica:
         self.open_streams += 1
         try:
             for i in range(self.chunks):
+                if self.mode == "hang" and i == 1:
+                    await asyncio.sleep(3600)
                 if self.mode == "cut" and i == 2:
                     assert request.transport is not None
                     request.transport.close()

@@ -215,6 +215,10 @@ class ProxyEndpoint:
         except aiohttp.ClientConnectorError as exc:
             self._pool.mark_down(replica, f"connection failed: {exc.os_error or exc}")
             return f"connection failed ({exc.os_error or exc})"
+        except aiohttp.ConnectionTimeoutError:
+            # Not taken either, but a slow accept is no proof of death: the health
+            # checks decide whether it leaves rotation.
+            return f"no connection within {self._config.connect_timeout_s:g} s"
         except _UNREACHABLE as exc:
             return f"connection dropped before the response ({type(exc).__name__})"
         except TimeoutError:

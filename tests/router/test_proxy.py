@@ -260,3 +260,26 @@ def test_a_busy_port_is_a_clear_error():
             bind_socket("127.0.0.1", taken.getsockname()[1])
     finally:
         taken.close()
+
+
+async def test_a_replica_silent_past_the_first_byte_timeout_is_a_504(fake_replicas):
+    a = await fake_replicas("a", mode="hang")
+    async with running_router([a.url], first_byte_timeout_s=0.5) as (base, router):
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(base + "/v1/completions", json=BODY)
+        assert router.pool.get("r0").in_flight == 0
+    assert r.status_code == 504
+    assert "no response within 0.5 s" in r.json()["error"]["message"]
+    assert len(a.requests) == 1  # not retried: the replica may still be working on it
+
+
+async def test_a_stream_idle_past_the_limit_ends_with_an_error_event(fake_replicas):
+    a = await fake_replicas("a", mode="hang")
+    async with running_router([a.url], stream_idle_timeout_s=0.5) as (base, _):
+        async with httpx.AsyncClient(timeout=10) as c, c.stream(
+            "POST", base + "/v1/completions", json={**BODY, "stream": True}
+        ) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert len(lines) == 3  # t0, then the error event and [DONE]
+    assert "no data for 0.5 s" in json.loads(lines[1].removeprefix("data: "))["error"]["message"]
+    assert lines[-1] == "data: [DONE]"
