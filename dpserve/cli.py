@@ -70,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
     _router_flags(router)
 
+    finetune = sub.add_parser(
+        "finetune", help="fine-tune the model with PyTorch DDP (one process per GPU)",
+        description="Train data-parallel under torch's elastic launcher; checkpoints go to "
+                    "OUTPUT/step-NNNNNN/ in Hugging Face layout, ready to serve or deploy.")
+    from dpserve.finetune.config import add_arguments
+
+    add_arguments(finetune, launcher=True)
+
     demo = sub.add_parser("demo", help="serve the built-in tiny model and talk to it")
     demo.add_argument("--model", default="build/tiny-llama",
                       help="where the tiny model is (built there if missing)")
@@ -138,6 +146,12 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
 
         _setup_logging("info")
         return run_demo(model_dir=Path(ns.model), replicas=ns.replicas, port=ns.port)
+
+    if ns.command == "finetune":
+        from dpserve.finetune.config import build_finetune_config
+        from dpserve.finetune.launch import run_finetune
+
+        return run_finetune(build_finetune_config(ns))
 
     file_values = load_yaml(ns.config)
     if extra and ns.command != "serve":

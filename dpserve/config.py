@@ -137,7 +137,7 @@ def build_router_config(
     env: Mapping[str, str] | None = None,
 ) -> RouterConfig:
     """Resolve a RouterConfig; `file_values` is the YAML file's `router:` section."""
-    cfg = _resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
+    cfg = resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
                    prefix="router.")
     _validate_router(cfg)
     if cfg.api_key_file is not None:
@@ -167,12 +167,12 @@ def build_serve_config(
     if not isinstance(router_file, dict):
         raise ConfigError("router: must be a mapping of router settings")
     router = build_router_config(flags, router_file, env)
-    cfg = _resolve(ServeConfig, flags, file_values, env, prefix="", extra={"router": router})
+    cfg = resolve(ServeConfig, flags, file_values, env, prefix="", extra={"router": router})
     _validate_serve(cfg)
     return cfg
 
 
-def _resolve(
+def resolve(
     cls: type[T],
     flags: Mapping[str, Any],
     file_values: Mapping[str, Any],
@@ -181,6 +181,11 @@ def _resolve(
     prefix: str,
     extra: Mapping[str, Any] | None = None,
 ) -> T:
+    """Build dataclass `cls` from flags > env (DPSERVE_<NAME>) > file values > defaults.
+
+    `extra` supplies already-built fields (nested configs); `prefix` names the
+    section in error messages.
+    """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     nested = set(extra or {})

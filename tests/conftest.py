@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -51,3 +53,14 @@ async def fake_replicas() -> AsyncIterator[Callable[..., FakeReplica]]:
     yield make  # type: ignore[misc]
     for r in started:
         await r.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny model: DPSERVE_TEST_MODEL if set (make test builds it once), else
+    built into a temporary directory."""
+    from dpserve.tinymodel import build_tiny_model
+
+    prebuilt = os.environ.get("DPSERVE_TEST_MODEL")
+    target = Path(prebuilt) if prebuilt else tmp_path_factory.mktemp("model") / "tiny-llama"
+    return build_tiny_model(target)

@@ -57,17 +57,9 @@ class Deployment:
             raise
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dpserve.tinymodel import build_tiny_model
-
-    prebuilt = os.environ.get("DPSERVE_TEST_MODEL")
-    target = Path(prebuilt) if prebuilt else tmp_path_factory.mktemp("model") / "tiny-llama"
-    return build_tiny_model(target)
-
-
 def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment:
     port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "serve.log"
     cmd = serve_command(model, replicas=replicas, port=port, served_name=MODEL_NAME,
                         run_dir=workdir / "runs")

@@ -1,0 +1,1 @@
+"""`dpserve finetune`: PyTorch DDP fine-tuning whose checkpoints vLLM serves."""

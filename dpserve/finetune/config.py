@@ -1,0 +1,191 @@
+"""Settings of `dpserve finetune`, resolved like every dpserve setting:
+flag > environment (DPSERVE_<NAME>) > YAML file > default, validated once.
+
+The same flags are accepted by the launcher (`dpserve finetune`) and by the
+training module run directly under torchrun
+(`torchrun --nproc-per-node 2 -m dpserve.finetune.train --model ... --data ...`);
+launcher-only settings (process counts, rendezvous) are ignored by the latter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dpserve.config import ConfigError, load_yaml, resolve
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    """One fine-tuning run."""
+
+    model: str
+    """Base model: a local Hugging Face directory or a hub id."""
+    data: str
+    """Training data, JSONL: {"prompt", "completion"} or {"messages": [...]} per line."""
+    output: str
+    """Directory for checkpoints (`step-NNNNNN/`), training state, the loss curve."""
+    eval_data: str | None = None
+    """Optional validation JSONL; its loss is computed every `eval_every` steps."""
+    eval_every: int = 50
+    """Steps between two evaluations (and at the end)."""
+    max_steps: int | None = None
+    """Optimizer steps to train; exclusive with `epochs`."""
+    epochs: float | None = None
+    """Passes over the data (may be fractional); default 1 when `max_steps` is unset."""
+    stop_after_steps: int | None = None
+    """Stop (saving a checkpoint) after this many steps of *this* run, keeping the LR
+    schedule of the full run — for time-boxed or preemptible jobs continued with --resume."""
+    micro_batch_size: int = 4
+    """Examples per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; global batch = micro x world size x accum."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final LR of the cosine decay as a fraction of the peak."""
+    warmup_steps: int = 10
+    """Linear warm-up from 0 to the peak LR."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 disables)."""
+    max_seq_len: int = 1024
+    """Examples are truncated to this many tokens."""
+    save_every: int = 100
+    """Steps between checkpoints (0: only at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after each save."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `output`."""
+    seed: int = 0
+    """Seeds initialisation-independent randomness: data order, dropout."""
+    log_every: int = 10
+    """Steps between two progress lines."""
+    threads_per_rank: int | None = None
+    """CPU threads per rank (torch.set_num_threads); default: cores / local ranks."""
+    nproc_per_node: int | None = None
+    """Processes on this node; default one per GPU, or 2 on CPU."""
+    nnodes: int = 1
+    """Nodes taking part (multi-node uses c10d rendezvous)."""
+    node_rank: int | None = None
+    """This node's rank (only for static rendezvous; c10d assigns ranks itself)."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the c10d rendezvous, required when nnodes > 1."""
+    rdzv_id: str = "dpserve-finetune"
+    """Rendezvous id shared by the nodes of one job."""
+    max_restarts: int = 0
+    """Times the elastic agent restarts the workers after a failure (resuming)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LAUNCH_ONLY = frozenset({"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
+                         "max_restarts"})
+
+
+def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
+    """The command-line flags; `launcher` adds the process/rendezvous ones."""
+    p.add_argument("--model", help="base model directory or Hugging Face id")
+    p.add_argument("--data", help="training JSONL")
+    p.add_argument("--output", help="checkpoint directory")
+    p.add_argument("--eval-data", help="validation JSONL")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--stop-after-steps", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--min-lr-ratio", type=float)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--max-grad-norm", type=float)
+    p.add_argument("--max-seq-len", type=int)
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--keep-last", type=int)
+    p.add_argument("--resume", action="store_true", default=None)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--threads-per-rank", type=int)
+    p.add_argument("--config", help="YAML settings file")
+    if launcher:
+        p.add_argument("--nproc-per-node", type=int)
+        p.add_argument("--nnodes", type=int)
+        p.add_argument("--node-rank", type=int)
+        p.add_argument("--rdzv-endpoint")
+        p.add_argument("--rdzv-id")
+        p.add_argument("--max-restarts", type=int)
+
+
+def build_finetune_config(
+    ns: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> FinetuneConfig:
+    flags = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
+    file_values = load_yaml(flags.pop("config", None))
+    file_values = dict(file_values.get("finetune", file_values))
+    names = {f.name for f in fields(FinetuneConfig)}
+    flags = {k: v for k, v in flags.items() if k in names}
+    cfg = resolve(FinetuneConfig, flags, file_values, os.environ if env is None else env,
+                  prefix="")
+    _validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, name: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}, got {value!r}")
+
+
+def _validate(c: FinetuneConfig) -> None:
+    _check(c.max_steps is None or c.epochs is None, "max_steps",
+           "give either max_steps or epochs, not both", c.max_steps)
+    if c.max_steps is not None:
+        _check(c.max_steps >= 1, "max_steps", "must be >= 1", c.max_steps)
+    if c.epochs is not None:
+        _check(c.epochs > 0 and math.isfinite(c.epochs), "epochs", "must be > 0", c.epochs)
+    if c.stop_after_steps is not None:
+        _check(c.stop_after_steps >= 1, "stop_after_steps", "must be >= 1", c.stop_after_steps)
+    for name in ("micro_batch_size", "grad_accum", "max_seq_len", "keep_last", "log_every",
+                 "eval_every", "nnodes"):
+        _check(getattr(c, name) >= 1, name, "must be >= 1", getattr(c, name))
+    for name in ("save_every", "warmup_steps", "max_restarts"):
+        _check(getattr(c, name) >= 0, name, "must be >= 0", getattr(c, name))
+    _check(c.lr > 0, "lr", "must be > 0", c.lr)
+    _check(0 <= c.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", c.min_lr_ratio)
+    _check(c.weight_decay >= 0, "weight_decay", "must be >= 0", c.weight_decay)
+    _check(c.max_grad_norm >= 0, "max_grad_norm", "must be >= 0", c.max_grad_norm)
+    if c.nproc_per_node is not None:
+        _check(c.nproc_per_node >= 1, "nproc_per_node", "must be >= 1", c.nproc_per_node)
+    if c.threads_per_rank is not None:
+        _check(c.threads_per_rank >= 1, "threads_per_rank", "must be >= 1", c.threads_per_rank)
+    if c.nnodes > 1:
+        _check(c.rdzv_endpoint is not None, "rdzv_endpoint",
+               "is required when nnodes > 1 (HOST:PORT of the c10d rendezvous)", c.rdzv_endpoint)
+    if c.rdzv_endpoint is not None:
+        host, _, port = c.rdzv_endpoint.rpartition(":")
+        _check(bool(host) and port.isdigit(), "rdzv_endpoint", "must be HOST:PORT",
+               c.rdzv_endpoint)
+    for name in ("data", "eval_data"):
+        value = getattr(c, name)
+        if value is not None:
+            _check(Path(value).is_file(), name, "no such file", value)
+
+
+def training_argv(cfg: FinetuneConfig) -> list[str]:
+    """The resolved settings as flags for the training module (launch-only ones dropped),
+    so every rank sees exactly what the launcher validated."""
+    argv: list[str] = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in LAUNCH_ONLY or value is None or value is False:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv

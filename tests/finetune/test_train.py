@@ -1,0 +1,165 @@
+"""`dpserve finetune` end to end on CPU: Gloo, real torchrun, the tiny model.
+
+The equivalence tests are the properties data-parallel training rests on:
+the same global batch gives the same parameters whatever the world size,
+micro-batch or accumulation, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpserve import checkpoint as ckpt
+from tests.finetune_helpers import finetune, trained, weights, write_train_data
+from tests.procs import process_alive
+
+STEPS = 4
+# fp32 on CPU; sums in another order (2 ranks vs 1) differ by rounding only.
+ATOL = 2e-6
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_train_data(tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def world_1_batch_8(tiny_model, train_data, tmp_path_factory) -> Path:
+    return trained(tiny_model, train_data, tmp_path_factory.mktemp("w1b8"), nproc=1,
+                   micro_batch_size=8, max_steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def world_2_batch_4(tiny_model, train_data, tmp_path_factory) -> Path:
+    return trained(tiny_model, train_data, tmp_path_factory.mktemp("w2b4"), nproc=2,
+                   micro_batch_size=4, max_steps=STEPS, log_every=1)
+
+
+def test_training_changes_the_weights(tiny_model, world_1_batch_8):
+    assert max_diff(weights(world_1_batch_8), weights(tiny_model)) > 1e-3
+
+
+def test_world_size_2_matches_world_size_1_with_twice_the_micro_batch(world_1_batch_8,
+                                                                       world_2_batch_4):
+    assert max_diff(weights(world_2_batch_4), weights(world_1_batch_8)) <= ATOL
+
+
+def test_gradient_accumulation_matches_the_bigger_batch(tiny_model, train_data, tmp_path,
+                                                        world_1_batch_8):
+    accumulated = trained(tiny_model, train_data, tmp_path, nproc=1, micro_batch_size=4,
+                          grad_accum=2, max_steps=STEPS)
+    assert max_diff(weights(accumulated), weights(world_1_batch_8)) <= ATOL
+
+
+def test_resume_continues_exactly_where_it_stopped(tiny_model, train_data, tmp_path,
+                                                   world_2_batch_4):
+    half = trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=4,
+                   max_steps=STEPS, stop_after_steps=STEPS // 2)
+    assert ckpt.read_meta(half).step == STEPS // 2
+    resumed = trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=4,
+                      max_steps=STEPS, resume=True)
+    assert ckpt.read_meta(resumed).step == STEPS
+    assert max_diff(weights(resumed), weights(world_2_batch_4)) <= ATOL
+    rows = (tmp_path / "loss.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(1, STEPS + 1)]
+
+
+def test_a_checkpoint_is_complete_servable_and_described(tiny_model, world_2_batch_4):
+    meta = ckpt.verify_checkpoint(world_2_batch_4)
+    assert (meta.step, meta.world_size, meta.base_model) == (STEPS, 2, str(tiny_model))
+    assert meta.loss is not None and meta.loss > 0
+    # Architecture and tokenizer are the base model's, byte for byte.
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (world_2_batch_4 / name).read_bytes() == (tiny_model / name).read_bytes()
+    base, tuned = weights(tiny_model), weights(world_2_batch_4)
+    assert {k: (v.shape, v.dtype) for k, v in base.items()} == {
+        k: (v.shape, v.dtype) for k, v in tuned.items()}
+    output = world_2_batch_4.parent
+    assert ckpt.train_state_dir(output, STEPS) is not None
+    assert not any(".tmp-" in p.name for p in output.iterdir())  # no half-written leftovers
+    assert (output / "loss.png").stat().st_size > 1000
+    rows = (output / "loss.csv").read_text().splitlines()
+    assert rows[0] == "step,loss,lr,eval_loss" and len(rows) == STEPS + 1
+
+
+def test_progress_shows_the_global_batch_and_each_step(tiny_model, train_data, tmp_path):
+    done = finetune(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2,
+                    grad_accum=2, max_steps=2, log_every=1, eval_data=train_data, eval_every=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "global batch 8 = micro-batch 2 x world 2 x accumulation 2" in out
+    assert "step      1/2" in out and "tok/s" in out and "eta" in out
+    assert "eval loss" in out
+
+
+def test_keep_last_prunes_older_checkpoints(tiny_model, train_data, tmp_path):
+    trained(tiny_model, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=3,
+            save_every=1, keep_last=2)
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3]
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tiny_model, train_data, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpserve", "finetune", "--model", str(tiny_model), "--data",
+         str(train_data), "--output", str(tmp_path), "--nproc-per-node", "2",
+         "--threads-per-rank", "1", "--micro-batch-size", "2", "--max-steps", "100000",
+         "--save-every", "0", "--log-every", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if line.startswith("step") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, rest[-3000:]
+    assert "stopping at step" in rest
+    (step, path), = ckpt.list_checkpoints(tmp_path)
+    assert 1 <= step < 100000
+    ckpt.verify_checkpoint(path)
+    assert not process_alive(proc.pid)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("bad_line", ":3: not valid JSON"),
+    ("missing_model", "model: directory"),
+    ("output_is_a_file", "output: cannot write to"),
+    ("existing_checkpoints", "already holds checkpoints"),
+])
+def test_bad_input_is_a_clear_error_and_nothing_is_written(tiny_model, train_data, tmp_path,
+                                                           case, message):
+    data, model, output = train_data, tiny_model, tmp_path / "out"
+    if case == "bad_line":
+        data = tmp_path / "bad.jsonl"
+        lines = train_data.read_text().splitlines()
+        data.write_text("\n".join([*lines[:2], '{"prompt": "x", ', *lines[2:]]) + "\n")
+    elif case == "missing_model":
+        model = tmp_path / "no-such-model"
+    elif case == "output_is_a_file":
+        output.write_text("not a directory")
+    elif case == "existing_checkpoints":
+        ckpt.write_checkpoint(output, 5, lambda d: (d / "config.json").write_text("{}"),
+                              base_model=str(model), loss=None, world_size=1)
+    done = finetune(model, data, output, nproc=2, max_steps=1)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    if case != "existing_checkpoints" and output.is_dir():
+        assert not any(p.name.startswith("step-") for p in output.iterdir())

@@ -1,0 +1,55 @@
+"""Running `dpserve finetune` from tests (training tests and the serving check)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dpserve import checkpoint as ckpt
+
+
+def write_train_data(path: Path, n: int = 48) -> Path:
+    """Deterministic JSONL mixing prompt/completion and chat examples of varied length."""
+    subjects = ["the river", "a lamp", "the market", "my sister", "the old road", "rain",
+                "the baker", "a small boat"]
+    with path.open("w") as f:
+        for i in range(n):
+            s = subjects[i % len(subjects)]
+            if i % 3 == 0:
+                f.write(json.dumps({"messages": [
+                    {"role": "user", "content": f"Tell me about {s}."},
+                    {"role": "assistant", "content": f"Here is a note {i} about {s}."}]}) + "\n")
+            else:
+                f.write(json.dumps({"prompt": f"Write about {s} ({i}):",
+                                    "completion": " " + f"{s} was quiet that day. " * (1 + i % 4)})
+                        + "\n")
+    return path
+
+
+def finetune(model: Path, data: Path, output: Path, *, nproc: int, **flags: object,
+             ) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "dpserve", "finetune", "--model", str(model), "--data",
+            str(data), "--output", str(output), "--nproc-per-node", str(nproc),
+            "--threads-per-rank", "1", "--lr", "1e-3", "--warmup-steps", "1", "--seed", "3"]
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+def trained(model: Path, data: Path, output: Path, *, nproc: int, **flags: object) -> Path:
+    """Fine-tune and return the newest checkpoint; fails the test with the run's output."""
+    done = finetune(model, data, output, nproc=nproc, **flags)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    latest = ckpt.latest_checkpoint(output)
+    assert latest is not None
+    return latest
+
+
+def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt_dir / "model.safetensors"))
