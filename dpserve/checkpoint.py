@@ -8,10 +8,16 @@ Layout of a fine-tune output directory::
     OUTPUT/train-state/step-000120/  optimizer, scheduler, RNG for --resume; `complete` last
     OUTPUT/.step-000120.tmp-XXXX/    a save in progress (or one killed midway)
 
-A directory is a checkpoint only if it holds a valid `dpserve.json`. Every save
-writes into a temporary directory, fsyncs each file, writes the metadata,
-fsyncs, and renames the directory into place: a process killed at any moment
-never leaves something that looks complete. Checkpoints are never overwritten.
+A directory is a checkpoint only if it is named `step-NNNNNN` for the step its
+valid `dpserve.json` records. Every save writes into a temporary directory
+beside its final place, fsyncs each file, writes the metadata (or the marker)
+last, fsyncs, and renames the directory into place, so a process killed at any
+moment never leaves something that looks complete. Deletion renames first and
+removes after, for the same reason. Checkpoints are never overwritten.
+
+Errors: `CheckpointError` for a directory that is not a valid checkpoint or
+cannot be written as one (the message names the path and the problem);
+`ValueError` for arguments that could never be right (a negative step).
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 META_FILE = "dpserve.json"
@@ -36,15 +44,18 @@ STATE_MARKER = "complete"
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _TEMP_DIR = re.compile(r"^\.step-\d{6,}\.tmp-")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(Exception):
-    """A directory is not a (valid) checkpoint; the message names it and the problem."""
+    """A directory is not a valid checkpoint, or cannot be written as one; the message
+    names the path and what is wrong."""
 
 
 def step_name(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    """`step-000120`: six digits, more past 999,999, so names sort by step in practice."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
     return f"step-{step:06d}"
 
 
@@ -53,22 +64,32 @@ class CheckpointMeta:
     """Contents of `dpserve.json`."""
 
     format_version: int
+    """`FORMAT_VERSION` of the writer; a reader refuses any other."""
     step: int
+    """Optimizer steps taken; the directory is named `step_name(step)`."""
     base_model: str
+    """What fine-tuning started from (a path or a hub id), as given to the trainer."""
     files: dict[str, str]
-    """Relative path -> sha256 of every file in the checkpoint except dpserve.json."""
+    """Relative POSIX path -> sha256 hex of every file in the directory but dpserve.json."""
     loss: float | None
+    """Training loss at the last step (may be NaN if training diverged), None if unknown."""
     created_at: str
+    """When the checkpoint was written, ISO 8601 in UTC."""
     world_size: int
+    """Data-parallel ranks that trained it."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form, JSON-serialisable facts (lr, epoch, tokens seen)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any, where: Path) -> CheckpointMeta:
+    def from_json(cls, data: Any, where: Path | None = None) -> CheckpointMeta:
+        """Validate parsed `dpserve.json`; CheckpointError names `where` and the field.
+        Unknown keys are ignored: a newer writer adding fields bumps nothing."""
+        at = f"{where / META_FILE if where is not None else META_FILE}"
         if not isinstance(data, dict):
-            raise CheckpointError(f"{where}: {META_FILE} must hold a JSON object")
+            raise CheckpointError(f"{at}: must hold a JSON object")
         types: dict[str, tuple[type, ...]] = {
             "format_version": (int,), "step": (int,), "base_model": (str,), "files": (dict,),
             "loss": (int, float, type(None)), "created_at": (str,), "world_size": (int,),
@@ -76,23 +97,36 @@ class CheckpointMeta:
         }
         for name, allowed in types.items():
             if name not in data:
-                raise CheckpointError(f"{where}: {META_FILE} lacks '{name}'")
-            if not isinstance(data[name], allowed) or isinstance(data[name], bool):
-                raise CheckpointError(f"{where}: {META_FILE} field '{name}' has the wrong type")
+                raise CheckpointError(f"{at}: lacks '{name}'")
+            value = data[name]
+            if not isinstance(value, allowed) or isinstance(value, bool):
+                raise CheckpointError(f"{at}: field '{name}' has the wrong type "
+                                      f"({type(value).__name__})")
         if data["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(f"{where}: format version {data['format_version']} is not "
-                                  f"{FORMAT_VERSION}")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["files"].items()):
-            raise CheckpointError(f"{where}: {META_FILE} 'files' must map names to sha256")
-        return cls(**{name: data[name] for name in types})
+            raise CheckpointError(f"{at}: field 'format_version' is {data['format_version']}, "
+                                  f"this dpserve reads {FORMAT_VERSION}")
+        if data["step"] < 0:
+            raise CheckpointError(f"{at}: field 'step' is negative")
+        if data["world_size"] < 1:
+            raise CheckpointError(f"{at}: field 'world_size' must be >= 1")
+        try:
+            datetime.fromisoformat(data["created_at"])
+        except ValueError:
+            raise CheckpointError(f"{at}: field 'created_at' is not ISO 8601") from None
+        for rel, digest in data["files"].items():
+            if not _is_plain_relative(rel) or rel == META_FILE:
+                raise CheckpointError(f"{at}: field 'files' lists a bad path {rel!r}")
+            if not isinstance(digest, str) or not _SHA256.match(digest):
+                raise CheckpointError(f"{at}: field 'files' has a bad sha256 for {rel}")
+        loss = data["loss"]
+        return cls(**{name: data[name] for name in types}
+                   | {"loss": None if loss is None else float(loss)})
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """sha256 hex of a file's bytes, read in chunks."""
+    with Path(path).open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_checkpoint(
@@ -105,59 +139,85 @@ def write_checkpoint(
     world_size: int,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Save a checkpoint: `write_files(tmp)` fills a temporary directory with what vLLM
-    loads; hashes and `dpserve.json` follow, then an atomic rename to `step-NNNNNN`."""
+    """Publish `output_dir/step-NNNNNN` and return it.
+
+    `write_files(tmp)` fills a fresh temporary directory inside `output_dir` with what vLLM
+    loads (e.g. `model.save_pretrained(tmp)`); it must not create dpserve.json, symlinks or
+    special files. Then every file is made world-readable, hashed and fsynced, dpserve.json
+    written and fsynced, the directory fsynced and renamed into place. Until that rename
+    nothing named `step-*` exists; on any exception the temporary directory is removed and
+    the exception propagates. An existing `step-NNNNNN` is a CheckpointError: checkpoints
+    are never overwritten in place (a running vLLM may be reading one).
+    """
     output_dir = Path(output_dir)
     final = output_dir / step_name(step)
-    if final.exists():
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    extra = dict(extra or {})
+    try:  # fail before the (long) write, not after it
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"extra must be JSON-serialisable: {exc}") from None
+    if os.path.lexists(final):
         raise CheckpointError(f"{final} already exists; checkpoints are never overwritten")
 
-    def finish(tmp: Path) -> None:
+    def fill(tmp: Path) -> None:
         write_files(tmp)
         files = {}
-        for path in sorted(_files(tmp)):
+        for path in _seal_tree(tmp):
             rel = path.relative_to(tmp).as_posix()
             if rel == META_FILE:
                 raise CheckpointError(f"{tmp}: the writer must not create {META_FILE}")
-            files[rel] = sha256_file(path)
-            _fsync(path)
+            with path.open("rb") as f:
+                files[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+                os.fsync(f.fileno())
         meta = CheckpointMeta(
             format_version=FORMAT_VERSION, step=step, base_model=base_model, files=files,
             loss=loss, created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            world_size=world_size, extra=dict(extra or {}),
+            world_size=world_size, extra=extra,
         )
-        (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=2) + "\n")
+        _write_durably(tmp / META_FILE, json.dumps(meta.to_json(), indent=2) + "\n")
 
-    _publish(output_dir, final, finish)
+    _publish(output_dir, final, fill, replace=False)
     return final
 
 
 def write_train_state(output_dir: Path, step: int, write_files: Callable[[Path], object]) -> Path:
-    """Save resume state to `train-state/step-NNNNNN/`, marker last, rename into place."""
+    """Publish `output_dir/train-state/step-NNNNNN` (resume state) and return it.
+
+    Same discipline as `write_checkpoint`, with the marker file `complete` written last
+    instead of hashes. An existing state for the step (left by a run that died before its
+    checkpoint was published) is replaced: moved aside, the new one renamed in, the old
+    one removed, so the step never has a half-deleted directory that holds a marker.
+    """
     state_root = Path(output_dir) / STATE_DIR
     final = state_root / step_name(step)
-    if final.exists():  # left by a run that died before its checkpoint was published
-        shutil.rmtree(final)
 
-    def finish(tmp: Path) -> None:
+    def fill(tmp: Path) -> None:
         write_files(tmp)
-        for path in _files(tmp):
-            _fsync(path)
-        (tmp / STATE_MARKER).write_text(f"{step}\n")
+        for path in _seal_tree(tmp):
+            if path.relative_to(tmp).as_posix() == STATE_MARKER:
+                raise CheckpointError(f"{tmp}: the writer must not create {STATE_MARKER}")
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        _write_durably(tmp / STATE_MARKER, f"{step}\n")
 
-    _publish(state_root, final, finish)
+    _publish(state_root, final, fill, replace=True)
     return final
 
 
 def train_state_dir(output_dir: Path, step: int) -> Path | None:
+    """The training state saved for `step`, or None unless its marker says it is complete."""
     path = Path(output_dir) / STATE_DIR / step_name(step)
     return path if (path / STATE_MARKER).is_file() else None
 
 
 def read_meta(ckpt_dir: Path) -> CheckpointMeta:
+    """Parse and validate `ckpt_dir/dpserve.json` (cheap: no hashing). Missing, unreadable
+    or invalid metadata is a CheckpointError: such a directory is not a checkpoint."""
     ckpt_dir = Path(ckpt_dir)
     try:
-        data = json.loads((ckpt_dir / META_FILE).read_text())
+        data = json.loads((ckpt_dir / META_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir}: no {META_FILE}, so not a complete checkpoint"
                               ) from None
@@ -167,13 +227,15 @@ def read_meta(ckpt_dir: Path) -> CheckpointMeta:
 
 
 def verify_checkpoint(ckpt_dir: Path) -> CheckpointMeta:
-    """read_meta, and every file present, unchanged (sha256), nothing unlisted."""
+    """`read_meta`, and: the directory is named for its step, every listed file is present
+    with its sha256, and nothing else is there (an extra file means a half-copy or
+    tampering). Reads every byte; call it before loading, not when listing."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
-    match = _STEP_DIR.match(ckpt_dir.name)
-    if match and int(match[1]) != meta.step:
-        raise CheckpointError(f"{ckpt_dir}: {META_FILE} says step {meta.step}")
-    present = {p.relative_to(ckpt_dir).as_posix() for p in _files(ckpt_dir)} - {META_FILE}
+    if ckpt_dir.name != step_name(meta.step):
+        raise CheckpointError(f"{ckpt_dir}: {META_FILE} says step {meta.step}, so the "
+                              f"directory should be named {step_name(meta.step)}")
+    present = {p.relative_to(ckpt_dir).as_posix() for p in _tree(ckpt_dir)[0]} - {META_FILE}
     for missing in sorted(set(meta.files) - present):
         raise CheckpointError(f"{ckpt_dir}: {missing} is listed but missing")
     for extra in sorted(present - set(meta.files)):
@@ -185,23 +247,23 @@ def verify_checkpoint(ckpt_dir: Path) -> CheckpointMeta:
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (readable metadata) as (step, path), oldest first."""
+    """Complete checkpoints as (step, path), oldest first. A directory counts if it is named
+    for the step its readable dpserve.json records; temporary directories, directories
+    without metadata, symlinks and other names are ignored. A missing `output_dir` is empty."""
     found = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for path in Path(output_dir).iterdir():
-            match = _STEP_DIR.match(path.name)
-            if not match or not path.is_dir():
-                continue
-            try:
-                meta = read_meta(path)
-            except CheckpointError:
-                continue
-            if meta.step == int(match[1]):
-                found.append((meta.step, path))
+    for path in _step_dirs(Path(output_dir)):
+        try:
+            meta = read_meta(path)
+        except CheckpointError:
+            continue
+        if path.name == step_name(meta.step):
+            found.append((meta.step, path))
     return sorted(found)
 
 
 def latest_checkpoint(output_dir: Path, *, with_train_state: bool = False) -> Path | None:
+    """The newest complete checkpoint; with `with_train_state`, the newest whose training
+    state is complete too (what a resume needs). None if there is none."""
     for step, path in reversed(list_checkpoints(output_dir)):
         if not with_train_state or train_state_dir(output_dir, step) is not None:
             return path
@@ -209,47 +271,147 @@ def latest_checkpoint(output_dir: Path, *, with_train_state: bool = False) -> Pa
 
 
 def prune_checkpoints(output_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (and their train state), and
-    temporary directories left by interrupted saves. Only the writer calls this."""
+    """Delete all but the newest `keep_last` (>= 1) complete checkpoints, training states
+    older than the newest kept checkpoint that belong to no kept one, and every temporary
+    directory left by an interrupted save. Returns what was deleted.
+
+    Only the writer calls this (a temporary directory may be a save in progress otherwise).
+    Nothing outside the naming scheme is touched. Each directory is renamed to a temporary
+    name before it is removed, so an interrupted prune never leaves a half-deleted directory
+    that still looks complete; the next prune finishes the job.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     output_dir = Path(output_dir)
-    doomed = [path for _, path in list_checkpoints(output_dir)[:-keep_last]]
-    doomed += [output_dir / STATE_DIR / p.name for p in doomed]
-    for root in (output_dir, output_dir / STATE_DIR):
-        with contextlib.suppress(FileNotFoundError):
-            doomed += [p for p in root.iterdir() if _TEMP_DIR.match(p.name)]
+    state_root = output_dir / STATE_DIR
+    complete = list_checkpoints(output_dir)
+    doomed = [path for _, path in complete[:-keep_last]]
+    if complete:
+        kept = {step for step, _ in complete[-keep_last:]}
+        newest = complete[-1][0]
+        for path in _step_dirs(state_root):
+            step = int(path.name.removeprefix("step-"))
+            if path.name == step_name(step) and step < newest and step not in kept:
+                doomed.append(path)
     deleted = []
     for path in doomed:
-        if path.exists():
-            shutil.rmtree(path)
-            deleted.append(path)
+        _remove_dir(path)
+        deleted.append(path)
+    for root in (output_dir, state_root):
+        for path in _children(root):
+            if _TEMP_DIR.match(path.name) and _is_real_dir(path):
+                shutil.rmtree(path)
+                deleted.append(path)
     return deleted
 
 
-def _publish(parent: Path, final: Path, finish: Callable[[Path], None]) -> None:
-    parent.mkdir(parents=True, exist_ok=True)
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _publish(parent: Path, final: Path, fill: Callable[[Path], None], *, replace: bool) -> None:
+    """Fill a temporary directory in `parent`, make it durable and rename it to `final`."""
+    _make_dirs(parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    aside = None
     try:
-        finish(tmp)
-        for path in [tmp, *tmp.rglob("*")]:  # a vLLM under another user must read them
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        _fsync(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; a vLLM under another user must read it
+        fill(tmp)
+        for directory in [*reversed(_tree(tmp)[1]), tmp]:
+            _fsync(directory)
+        if os.path.lexists(final):
+            if not replace:  # appeared while we wrote: rename would replace an empty dir
+                raise CheckpointError(f"{final} already exists; checkpoints are never "
+                                      "overwritten")
+            aside = parent / f".{final.name}.tmp-old-{secrets.token_hex(4)}"
+            os.rename(final, aside)
         os.rename(tmp, final)
         _fsync(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
-def _files(root: Path) -> list[Path]:
-    files = []
-    for path in root.rglob("*"):
-        if path.is_symlink():
-            raise CheckpointError(f"{path}: symbolic links are not allowed in a checkpoint")
-        if path.is_file():
-            files.append(path)
+def _seal_tree(root: Path) -> list[Path]:
+    """Make everything under `root` world-readable; return its regular files, sorted."""
+    files, dirs = _tree(root)
+    for directory in dirs:
+        directory.chmod(0o755)
+    for path in files:
+        path.chmod(0o644)
     return files
+
+
+def _tree(root: Path) -> tuple[list[Path], list[Path]]:
+    """Regular files and directories under `root`, sorted; anything else is an error."""
+    files, dirs = [], []
+    for path in sorted(root.rglob("*")):
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            raise CheckpointError(f"{path}: symbolic links are not allowed in a checkpoint")
+        if stat.S_ISDIR(mode):
+            dirs.append(path)
+        elif stat.S_ISREG(mode):
+            files.append(path)
+        else:
+            raise CheckpointError(f"{path}: only regular files belong in a checkpoint")
+    return files, dirs
+
+
+def _write_durably(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    path.chmod(0o644)  # O_CREAT's mode is filtered by the umask
+
+
+def _make_dirs(path: Path) -> None:
+    """mkdir -p, with the directories it creates world-readable and durable."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        directory.chmod(0o755)
+        _fsync(directory.parent)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename to a temporary name (atomic: it stops counting), then delete."""
+    aside = path.with_name(f".{path.name}.tmp-del-{secrets.token_hex(4)}")
+    os.rename(path, aside)
+    _fsync(path.parent)
+    shutil.rmtree(aside)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return [p for p in _children(root) if _STEP_DIR.match(p.name) and _is_real_dir(p)]
+
+
+def _children(root: Path) -> list[Path]:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return sorted(root.iterdir())
+    return []
+
+
+def _is_real_dir(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return stat.S_ISDIR(path.lstat().st_mode)
+    return False
+
+
+def _is_plain_relative(rel: str) -> bool:
+    parts = PurePosixPath(rel).parts
+    return (bool(parts) and not rel.startswith("/") and "\\" not in rel
+            and PurePosixPath(*parts).as_posix() == rel
+            and all(part not in (".", "..") for part in parts))
 
 
 def _fsync(path: Path) -> None:

@@ -1,180 +1,143 @@
 """Training data: JSONL in, token ids and loss labels out.
 
-One example per line, either
+One example per line (blank lines are skipped, unknown keys ignored), either
 
-    {"prompt": "...", "completion": "..."}          loss on the completion and its eos
+    {"prompt": "...", "completion": "..."}          loss on the completion and an eos
     {"messages": [{"role": ..., "content": ...}]}   chat template; loss on assistant turns
 
+Every line is validated before anything is tokenized, so a malformed line
+anywhere stops the run before training starts, with a `FILE:LINE:` message.
+
+Tokens are made the way vLLM makes them when serving, so the model learns
+exactly what it will be asked to continue:
+
+- prompt/completion: the prompt is encoded like a completions request (the
+  tokenizer's own bos, if it adds one; never an eos), the completion is
+  encoded on its own (as the model would generate it), then eos is appended.
+- messages: the chat template is rendered to text and encoded without special
+  tokens (the template writes bos itself), as vLLM's chat endpoint does.
+
 Labels follow the Hugging Face causal-LM convention: `labels[i] == input_ids[i]`
-where the token is learned, -100 elsewhere (the model shifts). Every line is
-validated before anything is tokenized, and an error names `FILE:LINE`.
+where position i is learned, `IGNORE_INDEX` elsewhere; the loss shifts them.
+`labels[0]` is always `IGNORE_INDEX` since no token predicts the first one, so
+counting non-ignored labels counts the tokens the loss is taken over.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
 
-IGNORE = -100
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+"""Label of a position without loss (cross-entropy's default `ignore_index`)."""
+
 ROLES = ("system", "user", "assistant")
 
 
 class DataError(ValueError):
-    """Unusable training data; the message starts with `FILE:LINE:` where it can."""
+    """Unusable training data. The message starts with `FILE:LINE:` for a bad line,
+    or `FILE:` for a problem with the whole file."""
 
 
 @dataclass(frozen=True)
 class Example:
     input_ids: list[int]
     labels: list[int]
+    """Same length as `input_ids`; `IGNORE_INDEX` where there is no loss."""
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.labels):
+            raise ValueError(f"{len(self.input_ids)} input ids but {len(self.labels)} labels")
 
 
 @dataclass(frozen=True)
 class DataStats:
     examples: int
+    """Examples kept (each has at least one learned token)."""
     skipped_empty: int
-    """Examples whose learned tokens were all cut by max_seq_len."""
+    """Examples dropped because truncation to max_seq_len cut all their learned tokens."""
     truncated: int
+    """Kept examples that were cut to max_seq_len."""
     tokens: int
+    """Tokens in the kept examples."""
     loss_tokens: int
+    """Learned tokens in the kept examples: what the loss is averaged over."""
 
 
-def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, record) for every non-blank line, each one validated."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read: {exc}") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise DataError(f"{path}:{number}: not valid JSON ({exc})") from None
-        _validate(record, f"{path}:{number}")
-        records.append((number, record))
-    if not records:
-        raise DataError(f"{path}: no examples (the file is empty)")
-    return records
+def load_dataset(
+    path: Path, tokenizer: PreTrainedTokenizerBase, *, max_seq_len: int
+) -> tuple[list[Example], DataStats]:
+    """Validate every line of `path`, then tokenize each example, truncated to `max_seq_len`.
 
-
-def _validate(record: Any, where: str) -> None:
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: \"messages\" must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise DataError(f"{where}: messages[{i}] must be an object")
-            if m.get("role") not in ROLES:
-                raise DataError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}].content must be a string")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: no assistant message, so nothing to learn")
-        return
-    if "prompt" in record or "completion" in record:
-        if not isinstance(record.get("prompt"), str):
-            raise DataError(f"{where}: \"prompt\" must be a string")
-        if not isinstance(record.get("completion"), str) or not record["completion"]:
-            raise DataError(f"{where}: \"completion\" must be a non-empty string")
-        return
-    raise DataError(f"{where}: expected either \"prompt\"+\"completion\" or \"messages\"")
-
-
-def encode(record: dict[str, Any], tokenizer: Any, where: str) -> Example:
-    if "messages" in record:
-        return _encode_chat(record["messages"], tokenizer, where)
-    prompt = tokenizer(record["prompt"]).input_ids  # with the tokenizer's bos, if any
-    completion = tokenizer(record["completion"], add_special_tokens=False).input_ids
-    completion = [*completion, tokenizer.eos_token_id]
-    return Example(prompt + completion, [IGNORE] * len(prompt) + completion)
-
-
-def _encode_chat(messages: list[dict[str, str]], tokenizer: Any, where: str) -> Example:
-    """Render the conversation turn by turn; learn only what the assistant says.
-
-    Each assistant turn is the difference between the conversation rendered up to
-    it (with the generation prompt) and rendered through it; the template must be
-    prefix-stable for that to hold, which is checked.
+    Raises `DataError` for a missing, unreadable or empty file, for the first
+    malformed line, for a conversation the chat template cannot split into
+    turns, and when no example has a learned token left after truncation.
     """
-    def render(msgs: list[dict[str, str]], generation_prompt: bool) -> str:
-        return str(tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=generation_prompt))
-
-    ids: list[int] = []
-    labels: list[int] = []
-    done = ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        head = render(messages[:i], True)
-        full = render(messages[: i + 1], False)
-        if not head.startswith(done) or not full.startswith(head):
-            raise DataError(f"{where}: the chat template does not render turns as a prefix "
-                            "of the conversation; cannot tell assistant tokens apart")
-        context = tokenizer(head[len(done):], add_special_tokens=False).input_ids
-        turn = tokenizer(full[len(head):], add_special_tokens=False).input_ids
-        # Learn the reply through its end-of-turn token, not the template's filler after it.
-        end = turn.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in turn else len(
-            turn)
-        ids += context + turn
-        labels += [IGNORE] * len(context) + turn[:end] + [IGNORE] * (len(turn) - end)
-        done = full
-    return Example(ids, labels)
-
-
-def load_dataset(path: Path, tokenizer: Any, *, max_seq_len: int) -> tuple[list[Example],
-                                                                          DataStats]:
-    records = read_records(Path(path))
+    records = _read_records(path)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError(f"{path}: the tokenizer has no eos token, so no example could learn "
+                        "to stop")
+    bos = _bos_added_by(tokenizer)
     examples: list[Example] = []
     skipped = truncated = 0
-    for number, record in records:
-        ex = encode(record, tokenizer, f"{path}:{number}")
+    for line, record in records:
+        where = f"{path}:{line}"
+        if "messages" in record:
+            ex = _encode_chat(record["messages"], tokenizer, where)
+        else:
+            prompt = bos + _encode(tokenizer, record["prompt"])
+            completion = [*_encode(tokenizer, record["completion"]), eos]
+            ex = _completion_example(prompt, completion)
         if len(ex.input_ids) > max_seq_len:
-            truncated += 1
             ex = Example(ex.input_ids[:max_seq_len], ex.labels[:max_seq_len])
-        if sum(1 for label in ex.labels[1:] if label != IGNORE) == 0:
-            skipped += 1  # nothing left to learn after truncation
-            continue
+            if not _learned(ex):
+                skipped += 1
+                continue
+            truncated += 1
         examples.append(ex)
     if not examples:
         raise DataError(f"{path}: no example keeps a learned token within max_seq_len "
                         f"{max_seq_len}")
     stats = DataStats(
-        examples=len(examples), skipped_empty=skipped, truncated=truncated,
-        tokens=sum(len(e.input_ids) for e in examples),
-        loss_tokens=sum(sum(1 for label in e.labels[1:] if label != IGNORE) for e in examples),
+        examples=len(examples),
+        skipped_empty=skipped,
+        truncated=truncated,
+        tokens=sum(len(ex.input_ids) for ex in examples),
+        loss_tokens=sum(_learned(ex) for ex in examples),
     )
     return examples, stats
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example: ids with `pad_id`, labels with -100, mask 0."""
-    width = max(len(e.input_ids) for e in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, e in enumerate(examples):
-        n = len(e.input_ids)
-        input_ids[row, :n] = torch.tensor(e.input_ids)
-        labels[row, :n] = torch.tensor(e.labels)
+    """Right-pad to the longest example: `input_ids` with `pad_id`, `labels` with
+    `IGNORE_INDEX`, `attention_mask` 1 on tokens and 0 on padding (all int64)."""
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    shape = (len(examples), max(len(ex.input_ids) for ex in examples))
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    for row, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        input_ids[row, :n] = torch.tensor(ex.input_ids, dtype=torch.long)
+        labels[row, :n] = torch.tensor(ex.labels, dtype=torch.long)
         attention_mask[row, :n] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 class ExampleDataset(Dataset[Example]):
+    """A list of examples as a map-style dataset, for `DistributedSampler`."""
+
     def __init__(self, examples: list[Example]) -> None:
         self.examples = examples
 
@@ -183,3 +146,137 @@ class ExampleDataset(Dataset[Example]):
 
     def __getitem__(self, index: int) -> Example:
         return self.examples[index]
+
+
+def _read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) for every non-blank line, each validated."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror})") from None
+    records = []
+    # Split on "\n" only: str.splitlines would also split inside JSON strings at
+    # U+2028 and the like, and the line numbers would disagree with an editor's.
+    for number, data in enumerate(raw.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg}: line {exc.lineno} "
+                            f"column {exc.colno})") from None
+        _validate(record, where)
+        records.append((number, record))
+    if not records:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    return records
+
+
+def _validate(record: Any, where: str) -> None:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    chat = "messages" in record
+    if chat == ("prompt" in record or "completion" in record):
+        raise DataError(f'{where}: expected either "prompt"+"completion" or "messages"'
+                        + (", not both" if chat else ""))
+    if not chat:
+        if not isinstance(record.get("prompt"), str):
+            raise DataError(f'{where}: "prompt" must be a string')
+        if not isinstance(record.get("completion"), str) or not record["completion"]:
+            raise DataError(f'{where}: "completion" must be a non-empty string')
+        return
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: "messages" must be a non-empty list')
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: messages[{i}] must be an object")
+        if message.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: messages[{i}].content must be a string")
+    if messages[0]["role"] == "assistant":
+        # Nothing to render as its prompt: chat templates refuse an empty conversation.
+        raise DataError(f"{where}: messages[0] must be a system or user message")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message, so nothing to learn")
+
+
+def _encode_chat(
+    messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, where: str
+) -> Example:
+    """Render the conversation turn by turn; learn only what the assistant says.
+
+    An assistant turn is the token difference between the conversation rendered
+    up to it with the generation prompt (what vLLM would send the model) and
+    rendered through it. It is learned through its last eos (the end of turn);
+    template filler after that, such as a newline, is not. Each rendering must
+    be a token prefix of the next, which is checked. Messages after the last
+    assistant turn teach nothing and are dropped.
+    """
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], where, generation_prompt=True)
+        turn = _render(tokenizer, messages[: i + 1], where, generation_prompt=False)
+        if prompt[: len(ids)] != ids or turn[: len(prompt)] != prompt:
+            raise DataError(
+                f"{where}: the chat template is not prefix-stable at messages[{i}] (rendering "
+                "the conversation up to a turn is not a prefix of rendering it through that "
+                "turn), so the assistant's tokens cannot be told apart")
+        reply = turn[len(prompt):]
+        end = len(reply) - reply[::-1].index(eos) if eos in reply else len(reply)
+        labels += [IGNORE_INDEX] * (len(prompt) - len(ids))
+        labels += reply[:end] + [IGNORE_INDEX] * (len(reply) - end)
+        ids = turn
+    return Example(ids, [IGNORE_INDEX, *labels[1:]])
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    where: str,
+    *,
+    generation_prompt: bool,
+) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise DataError(f"{where}: a \"messages\" example needs a chat template, and the "
+                        "tokenizer has none")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # the template is the model's code: any failure is a refusal
+        raise DataError(f"{where}: the chat template rejected this conversation: {exc}") from exc
+    return _encode(tokenizer, str(text))
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _bos_added_by(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """`[bos]` if the tokenizer puts bos before encoded text (as for a completions
+    prompt), else `[]`. Asked of the tokenizer, since its `add_bos_token` flag
+    is not always what its post-processor does."""
+    bos = tokenizer.bos_token_id
+    adds = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    return [bos] if adds else []
+
+
+def _completion_example(prompt: list[int], completion: list[int]) -> Example:
+    labels = [IGNORE_INDEX] * len(prompt) + completion
+    return Example(prompt + completion, [IGNORE_INDEX, *labels[1:]])
+
+
+def _learned(ex: Example) -> int:
+    return sum(label != IGNORE_INDEX for label in ex.labels)
