@@ -24,8 +24,8 @@ test: model
 	$(BIN)/ruff check .
 	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest $(PYTEST_ARGS)
 
-test-unit: install
-	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+test-unit: model
+	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest --ignore=tests/integration $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -31,15 +31,22 @@ def write_train_data(path: Path, n: int = 48) -> Path:
     return path
 
 
-def finetune(model: Path, data: Path, output: Path, *, nproc: int, **flags: object,
-             ) -> subprocess.CompletedProcess[str]:
+def finetune_argv(model: Path, data: Path, output: Path, *, nproc: int, **flags: object,
+                  ) -> list[str]:
+    """`dpserve finetune` with the tests' fixed hyper-parameters plus `flags`."""
     argv = [sys.executable, "-m", "dpserve", "finetune", "--model", str(model), "--data",
             str(data), "--output", str(output), "--nproc-per-node", str(nproc),
             "--threads-per-rank", "1", "--lr", "1e-3", "--warmup-steps", "1", "--seed", "3"]
     for key, value in flags.items():
         flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    return argv
+
+
+def finetune(model: Path, data: Path, output: Path, *, nproc: int, **flags: object,
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(finetune_argv(model, data, output, nproc=nproc, **flags),
+                          capture_output=True, text=True, timeout=300)
 
 
 def trained(model: Path, data: Path, output: Path, *, nproc: int, **flags: object) -> Path:

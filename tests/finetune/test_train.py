@@ -18,7 +18,13 @@ import pytest
 import torch
 
 from dpserve import checkpoint as ckpt
-from tests.finetune_helpers import finetune, trained, weights, write_train_data
+from tests.finetune_helpers import (
+    finetune,
+    finetune_argv,
+    trained,
+    weights,
+    write_train_data,
+)
 from tests.procs import process_alive
 
 STEPS = 4
@@ -75,6 +81,30 @@ def test_resume_continues_exactly_where_it_stopped(tiny_model, train_data, tmp_p
     assert max_diff(weights(resumed), weights(world_2_batch_4)) <= ATOL
     rows = (tmp_path / "loss.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(1, STEPS + 1)]
+
+
+def test_two_nodes_meet_by_c10d_rendezvous_and_train_as_one_world(tiny_model, train_data,
+                                                                  tmp_path, world_2_batch_4):
+    """Multi-node torchrun, with both "nodes" on this machine: one process each, joined
+    by the c10d rendezvous, must train exactly like one node with two processes."""
+    from dpserve.replicas.launcher import free_port
+
+    flags = {"micro_batch_size": 4, "max_steps": STEPS, "log_every": 1, "nnodes": 2,
+             "rdzv_endpoint": f"127.0.0.1:{free_port()}", "rdzv_id": "test-2-nodes"}
+    out = tmp_path / "shared-volume"
+    other = subprocess.Popen(finetune_argv(tiny_model, train_data, out, nproc=1, **flags),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        done = finetune(tiny_model, train_data, out, nproc=1, **flags)
+        other_out = other.communicate(timeout=300)[0]
+    finally:
+        if other.poll() is None:
+            other.kill()
+    assert done.returncode == 0 and other.returncode == 0, done.stderr + other_out
+    assert "world size 2" in done.stdout + other_out
+    latest = ckpt.latest_checkpoint(out)
+    assert ckpt.read_meta(latest).world_size == 2
+    assert max_diff(weights(latest), weights(world_2_batch_4)) <= ATOL
 
 
 def test_a_checkpoint_is_complete_servable_and_described(tiny_model, world_2_batch_4):
