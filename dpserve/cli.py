@@ -39,7 +39,11 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="time in-flight requests get on shutdown")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     g.add_argument("--api-key-file",
-                   help="file with the key clients must send (or set DPSERVE_API_KEY)")
+                   help="file with the keys clients may send, one per line "
+                        "(or set DPSERVE_API_KEY / DPSERVE_API_KEYS)")
+    g.add_argument("--admin-key-file",
+                   help="file with the key for /admin/* (or set DPSERVE_ADMIN_KEY); "
+                        "without one, /admin/* answers loopback clients only")
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 

@@ -75,7 +75,18 @@ class RouterConfig:
     (`/health`, `/ready`, `/metrics` stay open). Set it through DPSERVE_API_KEY or
     `api_key_file`, never on the command line, where `ps` would show it."""
     api_key_file: str | None = None
-    """File holding the API key (e.g. a mounted Kubernetes secret); read at start-up."""
+    """File holding API keys, one per line (`#` comments allowed), e.g. a mounted
+    Kubernetes secret; read at start-up."""
+    api_keys: list[str] | None = field(default=None, repr=False)
+    """Several accepted keys at once (DPSERVE_API_KEYS, comma-separated), so keys can
+    be rotated without downtime. After resolution this holds every accepted key:
+    `api_key`, these, and the lines of `api_key_file`."""
+    admin_key: str | None = field(default=None, repr=False)
+    """Key for `/admin/*` (replica list, drain, hot-load), sent as `Authorization:
+    Bearer KEY`; from DPSERVE_ADMIN_KEY or `admin_key_file`. Without one, `/admin/*`
+    answers loopback clients only."""
+    admin_key_file: str | None = None
+    """File holding the admin key; read at start-up."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,20 +150,28 @@ def build_router_config(
     """Resolve a RouterConfig; `file_values` is the YAML file's `router:` section."""
     cfg = resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
                    prefix="router.")
+    file_keys = [] if cfg.api_key_file is None else _read_keys(cfg.api_key_file,
+                                                               "router.api_key_file")
+    admin_key = cfg.admin_key
+    if cfg.admin_key_file is not None:
+        (admin_key,) = _read_keys(cfg.admin_key_file, "router.admin_key_file")[:1]
+    keys = [*([cfg.api_key] if cfg.api_key else []), *(cfg.api_keys or []), *file_keys]
+    cfg = dataclasses.replace(cfg, api_keys=list(dict.fromkeys(keys)) or None,
+                              admin_key=admin_key)
     _validate_router(cfg)
-    if cfg.api_key_file is not None:
-        cfg = dataclasses.replace(cfg, api_key=_read_key(cfg.api_key_file))
     return cfg
 
 
-def _read_key(path: str) -> str:
+def _read_keys(path: str, label: str) -> list[str]:
+    """Non-empty, non-comment lines of a key file."""
     try:
-        key = Path(path).read_text().strip()
+        text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"router.api_key_file: cannot read {path}: {exc.strerror}") from None
-    if not key:
-        raise ConfigError(f"router.api_key_file: {path} is empty")
-    return key
+        raise ConfigError(f"{label}: cannot read {path}: {exc.strerror}") from None
+    keys = [k.strip() for k in text.splitlines() if k.strip() and not k.lstrip().startswith("#")]
+    if not keys:
+        raise ConfigError(f"{label}: {path} holds no key")
+    return keys
 
 
 def build_serve_config(
@@ -295,9 +314,15 @@ def _validate_router(c: RouterConfig) -> None:
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold"):
         value = getattr(c, name)
         _require(value >= 1, f"router.{name}", "must be >= 1", value)
-    if c.api_key is not None:
-        _require(len(c.api_key) >= 8, "router.api_key", "must be at least 8 characters",
+    for key in c.api_keys or []:
+        _require(len(key) >= 8, "router.api_key", "must be at least 8 characters", "<hidden>")
+        _require(key.isprintable() and " " not in key, "router.api_key",
+                 "must be printable and have no spaces", "<hidden>")
+    if c.admin_key is not None:
+        _require(len(c.admin_key) >= 16, "router.admin_key", "must be at least 16 characters",
                  "<hidden>")
+        _require(c.admin_key not in (c.api_keys or []), "router.admin_key",
+                 "must differ from every API key", "<hidden>")
     _require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              "router.log_level", "must be debug, info, warning, error or critical", c.log_level)
 

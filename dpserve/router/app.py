@@ -4,8 +4,9 @@
 session of the data plane, the httpx client of the control plane) and closes
 it in `aclose`. `build_app` turns it into a Starlette app whose routes are an
 allow-list: the OpenAI API paths are forwarded, the router answers `/health`,
-`/ready` and `/metrics` itself, and every other path — vLLM's dev endpoints
-included — is a 404 in the OpenAI error envelope.
+`/ready`, `/metrics` and its own control plane `/admin/*` itself, and every
+other path — vLLM's dev endpoints included — is a 404 in the OpenAI error
+envelope.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from starlette.routing import Route
 
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
-from dpserve.router.auth import RequireApiKey
+from dpserve.router.admin import admin_routes
+from dpserve.router.auth import Authenticate
 from dpserve.router.errors import error_response
 from dpserve.router.health import HealthChecker
 from dpserve.router.policies import make_policy
@@ -56,6 +58,13 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._control: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._health: HealthChecker | None = None
+
+    @property
+    def health(self) -> HealthChecker:
+        if self._health is None:
+            raise RuntimeError("Router.start() has not been called")
+        return self._health
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -71,7 +80,7 @@ class Router:
             skip_auto_headers=("User-Agent",),
         )
         self._control = httpx.AsyncClient()
-        health = HealthChecker(self.pool, self.config, self._control)
+        self._health = health = HealthChecker(self.pool, self.config, self._control)
         await health.check_all()  # replicas already up are ready on the first request
         self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
 
@@ -104,6 +113,7 @@ def build_app(router: Router) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(router),
     ]
     for path, method, has_body in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(
@@ -136,6 +146,6 @@ def build_app(router: Router) -> Starlette:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
-    if router.config.api_key is not None:
-        app.add_middleware(RequireApiKey, api_key=router.config.api_key)
+    app.add_middleware(Authenticate, api_keys=router.config.api_keys,
+                       admin_key=router.config.admin_key)
     return app

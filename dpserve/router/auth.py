@@ -1,40 +1,86 @@
-"""API-key check for the router's public API, as pure ASGI middleware.
+"""Who may call what, as pure ASGI middleware in front of every route.
 
-Clients send `Authorization: Bearer KEY` (what the OpenAI SDK sends for its
-`api_key`). Probes and scrapes (`/health`, `/ready`, `/metrics`) stay open so
-orchestrators and Prometheus need no secret. The key is compared in constant
-time and never logged.
+- The public API needs one of the API keys, when any is configured, sent as
+  `Authorization: Bearer KEY` (what the OpenAI SDK sends for its `api_key`).
+- `/admin/*` needs the admin key; with no admin key configured it answers
+  loopback clients only, so a router published on a network never exposes its
+  control plane by accident.
+- Probes and scrapes (`/health`, `/ready`, `/metrics`) stay open so
+  orchestrators and Prometheus need no secret.
+
+Keys are compared in constant time, against every accepted key (so timing does
+not tell which key is closest), and never logged.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from dpserve.router.errors import error_body
 from dpserve.router.proxy import Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+ADMIN_PREFIX = "/admin"
 
 
-class RequireApiKey:
-    def __init__(self, app: object, *, api_key: str) -> None:
+def is_admin_path(path: str) -> bool:
+    return path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_matches(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> bool:
+    """True if the Authorization header carries one of `keys` (constant time per key)."""
+    sent = next((v for n, v in headers if n == b"authorization"), None)
+    if sent is None:
+        return False
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(sent, b"Bearer " + key)
+    return ok
+
+
+class Authenticate:
+    def __init__(self, app: object, *, api_keys: list[str] | None,
+                 admin_key: str | None) -> None:
         self._app = app
-        self._expected = b"Bearer " + api_key.encode()
+        self._api_keys = [k.encode() for k in api_keys or []]
+        self._admin_keys = [admin_key.encode()] if admin_key else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
+        if scope["type"] != "http":
             await self._app(scope, receive, send)  # type: ignore[operator]
             return
-        body = error_body(401, "missing or invalid API key (send Authorization: Bearer KEY)")
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
+        path = scope["path"]
+        refusal: tuple[int, str] | None = None
+        if path in OPEN_PATHS:
+            pass
+        elif is_admin_path(path):
+            if self._admin_keys:
+                if not bearer_matches(scope["headers"], self._admin_keys):
+                    refusal = (401, "missing or invalid admin key "
+                                    "(send Authorization: Bearer ADMIN_KEY)")
+            elif not is_loopback((scope.get("client") or (None,))[0]):
+                refusal = (403, "/admin is open to loopback clients only "
+                                "unless an admin key is configured")
+        elif self._api_keys and not bearer_matches(scope["headers"], self._api_keys):
+            refusal = (401, "missing or invalid API key (send Authorization: Bearer KEY)")
+        if refusal is None:
+            await self._app(scope, receive, send)  # type: ignore[operator]
+            return
+        status, message = refusal
+        body = error_body(status, message)
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-    def _allowed(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._expected)
-        return False

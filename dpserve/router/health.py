@@ -44,6 +44,11 @@ class HealthChecker:
         for replica, error in zip(replicas, results, strict=True):
             await self._record(replica, error)
 
+    async def check_one(self, replica: Replica) -> None:
+        """Probe one replica now (an admin undrain need not wait for the next round)."""
+        if replica.state in _CHECKED:
+            await self._record(replica, await self._probe(replica))
+
     async def _probe(self, replica: Replica) -> str | None:
         """None if healthy, else why not."""
         try:

@@ -1,0 +1,106 @@
+"""The router's control plane under `/admin`: the replica list, drain and undrain.
+
+Kept apart from routing: these handlers only move replicas between states in
+the pool; the policy sees the result through `ReplicaPool.ready()`. Access is
+checked by `dpserve.router.auth.Authenticate` (admin key, or loopback only).
+
+- `GET  /admin/replicas` — every replica with its state, load and version.
+- `POST /admin/replicas/{id}/drain` — stop sending it new requests; with
+  `{"wait_s": S}` also wait up to S seconds for its in-flight requests to end
+  (`"drained": true` once none is left).
+- `POST /admin/replicas/{id}/undrain` — health-check it now and put it back
+  into rotation when healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dpserve.router.errors import error_response
+from dpserve.router.pool import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from dpserve.router.app import Router
+
+MAX_WAIT_S = 3600.0
+
+
+def describe(replica: Replica, now: float | None = None) -> dict[str, Any]:
+    now = time.monotonic() if now is None else now
+    return {
+        "id": replica.id, "url": replica.url, "device": replica.device,
+        "state": replica.state.value, "state_for_s": round(now - replica.state_since, 3),
+        "in_flight": replica.in_flight, "weight_version": replica.weight_version,
+        "models": sorted(replica.models), "last_error": replica.last_error,
+    }
+
+
+async def _json_object(request: Request) -> dict[str, Any] | Response:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return error_response(400, "body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "body must be a JSON object")
+    return body
+
+
+def admin_routes(router: Router) -> list[Route]:
+    pool = router.pool
+
+    def find(request: Request) -> Replica | Response:
+        replica_id = request.path_params["replica_id"]
+        replica = pool.get(replica_id)
+        if replica is None:
+            return error_response(404, f"no replica {replica_id!r}", param="replica_id")
+        return replica
+
+    async def replicas(request: Request) -> Response:
+        return JSONResponse({"replicas": [describe(r) for r in pool]})
+
+    async def drain(request: Request) -> Response:
+        replica = find(request)
+        if isinstance(replica, Response):
+            return replica
+        body = await _json_object(request)
+        if isinstance(body, Response):
+            return body
+        wait_s = body.get("wait_s", 0)
+        if (not isinstance(wait_s, int | float) or isinstance(wait_s, bool)
+                or not 0 <= wait_s <= MAX_WAIT_S):
+            return error_response(400, f"wait_s must be a number in 0..{MAX_WAIT_S:g}",
+                                  param="wait_s")
+        if replica.state is ReplicaState.RELOADING:
+            return error_response(409, f"replica {replica.id} is being reloaded")
+        pool.set_state(replica, ReplicaState.DRAINING, "drained by admin")
+        deadline = time.monotonic() + wait_s
+        while replica.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # in-flight counts live in the pool; nothing to await
+        return JSONResponse({**describe(replica), "drained": replica.in_flight == 0})
+
+    async def undrain(request: Request) -> Response:
+        replica = find(request)
+        if isinstance(replica, Response):
+            return replica
+        if replica.state is ReplicaState.RELOADING:
+            return error_response(409, f"replica {replica.id} is being reloaded")
+        if replica.state is ReplicaState.DRAINING:
+            pool.set_state(replica, ReplicaState.STARTING, "undrained by admin")
+            await router.health.check_one(replica)
+        return JSONResponse(describe(replica))
+
+    return [
+        Route("/admin/replicas", replicas, methods=["GET"]),
+        Route("/admin/replicas/{replica_id}/drain", drain, methods=["POST"]),
+        Route("/admin/replicas/{replica_id}/undrain", undrain, methods=["POST"]),
+    ]
