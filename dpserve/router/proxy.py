@@ -46,6 +46,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 REQUEST_ID_HEADER = "x-request-id"
 REPLICA_HEADER = "x-dpserve-replica"
+WEIGHT_VERSION_HEADER = "x-dpserve-weight-version"
 
 # Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the
 # ones aiohttp/uvicorn recompute for us.
@@ -227,7 +228,7 @@ class ProxyEndpoint:
                 f"{self._config.first_byte_timeout_s:g} s"
             ) from None
         try:
-            out_headers = _downstream_headers(resp, request_id, replica.id)
+            out_headers = _downstream_headers(resp, request_id, replica)
             if stream and resp.content_type == "text/event-stream":
                 return await self._pass_stream(resp, replica, out_headers, replied, start)
             try:
@@ -348,7 +349,7 @@ def _upstream_headers(scope: Scope, request_id: str, *, body_len: int) -> dict[s
 
 
 def _downstream_headers(
-    resp: aiohttp.ClientResponse, request_id: str, replica_id: str
+    resp: aiohttp.ClientResponse, request_id: str, replica: Replica
 ) -> list[tuple[bytes, bytes]]:
     out = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
@@ -356,5 +357,7 @@ def _downstream_headers(
         if name.lower() not in _HOP_BY_HOP_STR and name.lower() != REQUEST_ID_HEADER
     ]
     out.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
-    out.append((REPLICA_HEADER.encode(), replica_id.encode()))
+    out.append((REPLICA_HEADER.encode(), replica.id.encode()))
+    if replica.weight_version is not None:
+        out.append((WEIGHT_VERSION_HEADER.encode(), replica.weight_version.encode("latin-1")))
     return out

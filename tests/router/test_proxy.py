@@ -283,3 +283,15 @@ async def test_a_stream_idle_past_the_limit_ends_with_an_error_event(fake_replic
     assert len(lines) == 3  # t0, then the error event and [DONE]
     assert "no data for 0.5 s" in json.loads(lines[1].removeprefix("data: "))["error"]["message"]
     assert lines[-1] == "data: [DONE]"
+
+
+async def test_the_weight_version_of_the_serving_replica_is_named_in_a_header(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, router), httpx.AsyncClient() as c:
+        before = await c.post(base + "/v1/completions", json=BODY)
+        router.pool.get("r0").weight_version = "step-000120"
+        after = await c.post(base + "/v1/completions", json=BODY)
+        streamed = await c.post(base + "/v1/completions", json={**BODY, "stream": True})
+    assert "x-dpserve-weight-version" not in before.headers
+    assert after.headers["x-dpserve-weight-version"] == "step-000120"
+    assert streamed.headers["x-dpserve-weight-version"] == "step-000120"
