@@ -1,0 +1,99 @@
+"""Run a simulated fleet until SIGINT or SIGTERM; print one replica URL per line.
+
+    python -m dpserve.sim --replicas 8 [--base-port 0] [--config sim.yaml] [--control]
+                          [--max-num-seqs 64 --step-base-s 0.015 ...]
+
+Every SimConfig field is a flag (`--max-num-seqs`, `--prefill-per-token-s`, ...);
+flags override the YAML file, which overrides the defaults. Put a router in front:
+
+    dpserve router $(for u in $(cat urls.txt); do echo --replica $u; done)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import typing
+from collections.abc import Sequence
+
+from dpserve.config import ConfigError, load_yaml
+from dpserve.sim.config import SimConfig, build_sim_config
+from dpserve.sim.fleet import Fleet
+
+log = logging.getLogger("dpserve.sim")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dpserve.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=1,
+                   help="number of simulated replicas (default 1)")
+    p.add_argument("--base-port", type=int, default=0,
+                   help="port of replica 0, then +1 each; 0 picks free ports")
+    p.add_argument("--config", help="YAML file of SimConfig fields")
+    p.add_argument("--control", action="store_true",
+                   help="serve GET/PUT/DELETE /sim/fault on every replica (fault injection)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="event loop implementation (default uvloop)")
+    g = p.add_argument_group("engine model (SimConfig; defaults in dpserve/sim/config.py)")
+    hints = typing.get_type_hints(SimConfig)
+    for f in dataclasses.fields(SimConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"(default {f.default})")
+        else:
+            g.add_argument(flag, dest=f.name, type=kind, default=None,
+                           metavar=kind.__name__.upper(), help=f"(default {f.default})")
+    return p
+
+
+async def serve(fleet: Fleet) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with fleet:
+        for url in fleet.urls:
+            print(url, flush=True)
+        cfg = fleet[0].config
+        log.info("%d simulated replica(s) of %r ready; SIGINT or SIGTERM stops them",
+                 len(fleet), cfg.model)
+        await stop.wait()
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)}
+    if args.replicas < 1:
+        print(f"error: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    try:
+        config = build_sim_config(flags, load_yaml(args.config))
+        fleet = Fleet(args.replicas, config, base_port=args.base_port, control=args.control)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.loop == "uvloop":
+            import uvloop
+
+            uvloop.run(serve(fleet))
+        else:
+            asyncio.run(serve(fleet))
+    except OSError as exc:  # a port in use
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

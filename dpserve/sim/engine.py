@@ -1,0 +1,266 @@
+"""A vLLM-like engine: continuous batching on a modelled clock, in one asyncio task.
+
+Each engine step, like vLLM v1's scheduler:
+
+1. gives every running sequence its tokens, oldest first, from a budget of
+   `max_num_batched_tokens`: one for a decoding sequence, up to the rest of the
+   budget for one still prefilling (chunked prefill). A sequence that needs a
+   KV block when none is free preempts the newest running sequence, which goes
+   back to the head of the queue and later recomputes its prompt and output;
+2. if nothing was preempted, admits waiting sequences first come first served,
+   while fewer than `max_num_seqs` run, budget is left and their blocks fit.
+   An admitted prompt starts after its longest cached block prefix (at least
+   one token is always computed);
+3. takes ``step_base_s + prefill_per_token_s * prefill tokens + decode_per_seq_s
+   * decoding sequences + decode_per_context_token_s * their context`` seconds
+   (times the jitter factor and the fault slowdown);
+4. ends: every sequence whose known tokens are all computed emits one token;
+   those that reach `max_tokens` finish and release their blocks.
+
+Timing: step k ends at a deadline on the loop's clock, the previous deadline
+plus the step's time (or "now" when the engine was idle), and the task sleeps
+until then. Waking late does not shift later steps, so errors do not add up;
+the lateness of each wake-up is recorded (see metrics.py). Only when the loop
+falls more than `RESYNC_S` behind is the clock moved to "now".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+
+from dpserve.sim.config import SimConfig, validate
+from dpserve.sim.metrics import EngineStats
+from dpserve.sim.prefix_cache import BlockPool, block_hashes
+
+RESYNC_S = 0.1
+"""Lateness after which the engine gives up catching up and restarts its clock now."""
+
+
+class SimSequence:
+    """One request inside the engine. Read `output_count`, `finished`, `first_token_at`."""
+
+    def __init__(self, prompt_ids: Sequence[int], max_tokens: int, arrival: float,
+                 config: SimConfig) -> None:
+        self.prompt_len = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.arrival = arrival
+        self.hashes = (block_hashes(prompt_ids, config.block_size)
+                       if config.enable_prefix_caching else [])
+        self.output_count = 0
+        self.num_computed = 0
+        """Tokens whose KV is computed (cached ones included)."""
+        self.num_cached = 0
+        """Prompt tokens found in the prefix cache at (the last) admission."""
+        self.first_token_at: float | None = None
+        self.finished = False
+        self.held: list[int] = []
+        """Hashes of the named blocks this sequence holds, in prompt order."""
+        self.unnamed = 0
+        """Unnamed blocks this sequence holds."""
+        self.named_upto = 0
+        """Prompt blocks already offered to the cache (named or found taken)."""
+        self._waiter: asyncio.Future[None] | None = None
+        self._wanted = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.output_count
+
+    def _notify(self) -> None:
+        if (self._waiter is not None and not self._waiter.done()
+                and (self.output_count > self._wanted or self.finished)):
+            self._waiter.set_result(None)
+
+    async def wait_beyond(self, seen: int) -> int:
+        """Wait until more than `seen` tokens were emitted or the sequence finished;
+        return the number emitted. One waiter at a time."""
+        if self.output_count <= seen and not self.finished:
+            self._wanted = seen
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.output_count
+
+
+class Engine:
+    """The scheduler and its clock. `run()` is the one task; `add`/`abort` are called
+    from request handlers on the same loop."""
+
+    def __init__(self, config: SimConfig, *, seed: int | None = None) -> None:
+        validate(config)
+        self.config = config
+        self.pool = BlockPool(config.num_blocks)
+        self.waiting: deque[SimSequence] = deque()
+        self.running: list[SimSequence] = []
+        self.stats = EngineStats()
+        self.slowdown = 1.0
+        """Factor on every step's time (fault injection: a slow replica)."""
+        self._rng = random.Random(config.seed if seed is None else seed)
+        self._work = asyncio.Event()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.pool.num_used / self.pool.num_blocks
+
+    def add(self, prompt_ids: Sequence[int], max_tokens: int) -> SimSequence:
+        """Queue a request; the caller must `abort` it if it stops listening."""
+        seq = SimSequence(prompt_ids, max_tokens, asyncio.get_running_loop().time(), self.config)
+        self.waiting.append(seq)
+        self._work.set()
+        return seq
+
+    def abort(self, seq: SimSequence) -> None:
+        """Drop a sequence wherever it is; a no-op once it finished."""
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.finished = True
+        self.stats.requests_aborted += 1
+        seq._notify()
+
+    async def run(self) -> None:
+        """Step forever; cancel the task to stop."""
+        loop = asyncio.get_running_loop()
+        clock = loop.time()
+        while True:
+            if not self.running and not self.waiting:
+                self._work.clear()
+                await self._work.wait()
+                clock = loop.time()
+            batch, step_s = self._schedule()
+            deadline = clock + step_s
+            delay = deadline - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            late = loop.time() - deadline
+            self.stats.lateness.observe(max(late, 0.0))
+            clock = deadline if late < RESYNC_S else loop.time()
+            self._finish_step(batch, clock)
+
+    def _schedule(self) -> tuple[list[tuple[SimSequence, int]], float]:
+        """Pick this step's work (steps 1 and 2 of the module docstring) and its time."""
+        c = self.config
+        budget = c.max_num_batched_tokens
+        batch: list[tuple[SimSequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = self._blocks_for(seq, n)
+            while not self.pool.allocate(need):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.unnamed += need
+                batch.append((seq, n))
+                budget -= n
+                i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < c.max_num_seqs and self._admit(self.waiting[0], budget)):
+            seq = self.waiting.popleft()
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch, self._step_time(batch)
+
+    def _admit(self, seq: SimSequence, budget: int) -> bool:
+        """Hold `seq`'s cached prefix and the blocks of its first chunk, if they fit."""
+        bs = self.config.block_size
+        hits = min(self.pool.match(seq.hashes), (seq.num_tokens - 1) // bs)
+        cached = hits * bs
+        n = min(seq.num_tokens - cached, budget)
+        self.pool.acquire(seq.hashes[:hits])
+        need = math.ceil((cached + n) / bs) - hits
+        if not self.pool.allocate(need):
+            self.pool.release(seq.hashes[:hits], 0)
+            return False
+        seq.held, seq.unnamed, seq.named_upto = seq.hashes[:hits], need, hits
+        seq.num_computed = seq.num_cached = cached
+        self.stats.prefix_cache_queries += seq.num_tokens
+        self.stats.prefix_cache_hits += cached
+        return True
+
+    def _blocks_for(self, seq: SimSequence, n: int) -> int:
+        """More blocks `seq` needs to hold KV for `n` more tokens."""
+        held = len(seq.held) + seq.unnamed
+        return max(0, math.ceil((seq.num_computed + n) / self.config.block_size) - held)
+
+    def _step_time(self, batch: list[tuple[SimSequence, int]]) -> float:
+        c = self.config
+        prefill = decode = context = 0
+        for seq, n in batch:
+            if n == 1 and seq.output_count > 0 and seq.num_computed == seq.num_tokens - 1:
+                decode += 1
+                context += seq.num_tokens
+            else:
+                prefill += n
+        t = (c.step_base_s + c.prefill_per_token_s * prefill + c.decode_per_seq_s * decode
+             + c.decode_per_context_token_s * context)
+        if c.step_jitter:
+            t *= 1.0 + self._rng.uniform(-c.step_jitter, c.step_jitter)
+        return t * self.slowdown
+
+    def _finish_step(self, batch: list[tuple[SimSequence, int]], now: float) -> None:
+        """Step 4 of the module docstring."""
+        self.stats.steps += 1
+        bs = self.config.block_size
+        done: list[SimSequence] = []
+        for seq, n in batch:
+            if seq.finished:  # aborted while the step ran
+                continue
+            seq.num_computed += n
+            full = min(seq.num_computed // bs, len(seq.hashes))
+            for h in seq.hashes[seq.named_upto:full]:
+                if self.pool.name(h):
+                    seq.held.append(h)
+                    seq.unnamed -= 1
+            seq.named_upto = max(seq.named_upto, full)
+            if seq.num_computed < seq.num_tokens:
+                continue  # prefill goes on next step
+            seq.output_count += 1
+            self.stats.generation_tokens += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.stats.prompt_tokens += seq.prompt_len
+                self.stats.ttft.observe(now - seq.arrival)
+            if seq.output_count >= seq.max_tokens:
+                done.append(seq)
+            seq._notify()
+        for seq in done:
+            self.running.remove(seq)
+            self._release(seq)
+            seq.finished = True
+            self.stats.requests_finished += 1
+            self.stats.e2e.observe(now - seq.arrival)
+            seq._notify()
+
+    def _preempt(self, seq: SimSequence) -> None:
+        """Free `seq`'s blocks and queue it first, to recompute what it had."""
+        self._release(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _release(self, seq: SimSequence) -> None:
+        self.pool.release(seq.held, seq.unnamed)
+        seq.held, seq.unnamed, seq.named_upto = [], 0, 0

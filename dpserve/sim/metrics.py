@@ -1,0 +1,153 @@
+"""What a simulated replica counts, and its `/metrics` page in vLLM's names.
+
+The page carries the series routers and dashboards read from a real vLLM
+(0.32): the scheduler gauges, KV-cache usage, prefix-cache queries and hits in
+tokens, token and request counters and the latency histograms, labelled
+``model_name`` and ``engine`` as vLLM labels them. One series is the
+simulator's own, `dpserve_sim_step_lateness_seconds`: how late the event loop
+woke the engine after each step's deadline, the check that the simulation is
+not distorted by the machine running it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from dpserve.sim.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM 0.32's buckets (vllm/v1/metrics/buckets.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LATENESS_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+class Histogram:
+    """Counts per bucket (made cumulative when rendered) and the largest value seen."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self.max = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+        self.max = max(self.max, value)
+
+    def fraction_above(self, bound: float) -> float:
+        """Share of observations above `bound`, which must be one of the bounds."""
+        i = self.bounds.index(bound)
+        return sum(self.counts[i + 1:]) / self.count if self.count else 0.0
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            out.append((repr(float(bound)), float(running)))
+        out.append(("+Inf", float(self.count)))
+        return out
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters of one engine, from its start."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (once per admission)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
+    preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    steps: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    lateness: Histogram = field(default_factory=lambda: Histogram(LATENESS_BUCKETS))
+
+
+def render(engine: Engine) -> bytes:
+    """The Prometheus text page of `engine`, read at call time."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(engine))
+    return generate_latest(registry)
+
+
+class _Collector:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        e, s = self._engine, self._engine.stats
+        labels = [e.config.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            m = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+            m.add_metric(labels, value)
+            return m
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            m = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            m.add_metric(labels, value)
+            return m
+
+        def histogram(name: str, doc: str, h: Histogram) -> Metric:
+            m = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
+            m.add_metric(labels, h.buckets(), h.sum)
+            return m
+
+        yield gauge("vllm:num_requests_running",
+                    "Number of requests in model execution batches.", e.num_running)
+        yield gauge("vllm:num_requests_waiting",
+                    "Number of requests waiting to be processed.", e.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    e.kv_cache_usage)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      s.preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                      s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      s.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success",
+                                      "Count of successfully processed requests.",
+                                      labels=["model_name", "engine", "finished_reason"])
+        success.add_metric([*labels, "length"], s.requests_finished)
+        success.add_metric([*labels, "abort"], s.requests_aborted)
+        yield success
+        yield histogram("vllm:time_to_first_token_seconds",
+                        "Histogram of time to first token in seconds.", s.ttft)
+        yield histogram("vllm:e2e_request_latency_seconds",
+                        "Histogram of e2e request latency in seconds.", s.e2e)
+        lateness = HistogramMetricFamily(
+            "dpserve_sim_step_lateness_seconds",
+            "How late the simulator's event loop ended engine steps after their modelled "
+            "deadline; steady values above a millisecond mean the machine is too busy to "
+            "simulate this load faithfully.", labels=["model_name"])
+        lateness.add_metric([e.config.model], s.lateness.buckets(), s.lateness.sum)
+        yield lateness

@@ -1,0 +1,196 @@
+"""The OpenAI request and response shapes a simulated replica speaks, as vLLM 0.32
+writes them. Pure functions: no I/O, no engine.
+
+Understood: `model`, `prompt` (a string, one string in a list, or token ids),
+`messages` (text content; the chat template below), `max_tokens` (chat also
+`max_completion_tokens`), `stream`, `stream_options.include_usage`. Accepted
+and ignored: sampling settings, `ignore_eos` (the simulated model never stops
+early, so every request finishes with reason `length`), `stop`, `seed`, `user`.
+Refused with 400: several prompts in one request and `n` > 1.
+
+Chat template: each message becomes ``<|role|>`` and its text, then
+``<|assistant|>``; the prompt is that text's pseudo-tokens (tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dpserve.sim import tokenizer
+from dpserve.sim.config import SimConfig
+
+Kind = Literal["completion", "chat"]
+
+
+class ProtocolError(Exception):
+    """A request vLLM would refuse; answered with `status` in OpenAI's error envelope."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    kind: Kind
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
+    """Validate a completions or chat body; raise ProtocolError as vLLM would."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != config.model:
+        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model")
+    if body.get("n", 1) != 1:
+        raise ProtocolError("the simulator serves n=1 only", param="n")
+    ids = _chat_prompt(body.get("messages")) if kind == "chat" else _prompt(body.get("prompt"))
+    if not ids:
+        raise ProtocolError("The prompt cannot be empty.", param="prompt")
+    if len(ids) >= config.max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"your request has {len(ids)} input tokens. Please reduce the length of the input "
+            "messages.", param="prompt")
+    max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = config.max_model_len - len(ids)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ProtocolError(f"max_tokens must be at least 1, got {max_tokens}.",
+                            param="max_tokens")
+    if len(ids) + max_tokens > config.max_model_len:
+        raise ProtocolError(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.", param="max_tokens")
+    options = body.get("stream_options") or {}
+    stream = bool(body.get("stream", False))
+    return GenerationRequest(kind, ids, max_tokens, stream,
+                             stream and isinstance(options, dict)
+                             and bool(options.get("include_usage")))
+
+
+def tokenize_body(body: Any) -> list[int]:
+    """Prompt ids of a `/tokenize` body: `{"prompt": ...}` or `{"messages": [...]}`."""
+    if isinstance(body, dict) and "messages" in body:
+        return _chat_prompt(body["messages"])
+    return _prompt(body.get("prompt") if isinstance(body, dict) else None)
+
+
+def _prompt(prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
+        if any(not 0 <= t < tokenizer.VOCAB_SIZE for t in prompt):
+            raise ProtocolError(f"token ids must be in [0, {tokenizer.VOCAB_SIZE})",
+                                param="prompt")
+        return list(prompt)
+    raise ProtocolError("prompt must be a string or a list of token ids (one prompt per "
+                        "request in the simulator)", param="prompt")
+
+
+def _chat_prompt(messages: Any) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("messages must be a non-empty list", param="messages")
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise ProtocolError("each message must be an object", param="messages")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"<|{m.get('role', 'user')}|> {content}")
+    parts.append("<|assistant|>")
+    return tokenizer.encode(" ".join(parts))
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+def output_text(prompt_ids: list[int], start: int, count: int) -> str:
+    """Text of output tokens `start .. start+count-1`: deterministic pseudo-tokens, each
+    a space and three characters, so the text re-encodes to `count` tokens."""
+    seed = prompt_ids[0] * 7919 + len(prompt_ids)
+    return "".join(" " + tokenizer.spell((seed + k * 40503) % tokenizer.VOCAB_SIZE)
+                   for k in range(start, start + count))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def full_response(req: GenerationRequest, rid: str, created: int, model: str,
+                  text: str, completion_tokens: int, finish_reason: str) -> dict[str, Any]:
+    if req.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                    "tool_calls": []},
+            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": None, "prompt_logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(len(req.prompt_ids), completion_tokens)}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class ChunkWriter:
+    """Builds the stream's events: per output token one chunk (the last one carrying
+    `finish_reason`), for chat a first chunk with the role, then the usage chunk
+    when asked for, then ``[DONE]``."""
+
+    def __init__(self, req: GenerationRequest, rid: str, created: int, model: str) -> None:
+        self._req = req
+        chat = req.kind == "chat"
+        self._head = {"id": rid, "object": "chat.completion.chunk" if chat
+                      else "text_completion", "created": created, "model": model}
+
+    def start(self) -> bytes:
+        if self._req.kind != "chat":
+            return b""
+        return sse({**self._head, "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]})
+
+    def tokens(self, start: int, count: int, finish_reason: str | None) -> bytes:
+        """Events of output tokens `start .. start+count-1`, one chunk each."""
+        out = []
+        for k in range(start, start + count):
+            text = output_text(self._req.prompt_ids, k, 1)
+            reason = finish_reason if k == start + count - 1 else None
+            if self._req.kind == "chat":
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
+                                          "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
+                          "stop_reason": None}
+            out.append(sse({**self._head, "choices": [choice]}))
+        return b"".join(out)
+
+    def end(self, completion_tokens: int) -> bytes:
+        tail = b""
+        if self._req.include_usage:
+            tail = sse({**self._head, "choices": [],
+                        "usage": usage(len(self._req.prompt_ids), completion_tokens)})
+        return tail + sse("[DONE]")

@@ -1,0 +1,222 @@
+"""One simulated replica: an aiohttp server on loopback in front of one Engine.
+
+Routes, as vLLM's OpenAI server has them: `POST /v1/completions`,
+`POST /v1/chat/completions` (streamed as server-sent events or not),
+`POST /tokenize`, `GET /v1/models`, `GET /health`, `GET /metrics`. With
+`control=True` also `GET|PUT|DELETE /sim/fault` (see faults.py); off by default,
+so a router in front cannot be told about the simulation.
+
+A client that disconnects aborts its request in the engine, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from dpserve.config import ConfigError
+from dpserve.router.errors import error_body
+from dpserve.sim import metrics, protocol
+from dpserve.sim.config import SimConfig
+from dpserve.sim.engine import Engine, SimSequence
+from dpserve.sim.faults import Fault
+
+SHUTDOWN_GRACE_S = 0.2
+"""On stop, time open requests get before their handlers are cancelled."""
+
+
+class SimReplica:
+    """Start with `await replica.start()`, stop with `await replica.stop()`."""
+
+    def __init__(self, config: SimConfig, *, index: int = 0, control: bool = False) -> None:
+        self.config = config
+        self.index = index
+        self.engine = Engine(config, seed=config.seed + index)
+        self.port = 0
+        self._control = control
+        self._fault: Fault | None = None
+        self._ids = itertools.count()
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def fault(self) -> Fault | None:
+        return self._fault
+
+    @fault.setter
+    def fault(self, fault: Fault | None) -> None:
+        self._fault = None if fault is None or fault == Fault() else fault
+        self.engine.slowdown = fault.slowdown if fault and fault.mode == "slow" else 1.0
+
+    async def start(self, port: int = 0) -> SimReplica:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        if self._control:
+            app.router.add_route("*", "/sim/fault", self._fault_endpoint)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     handler_cancellation=True,
+                                     shutdown_timeout=SHUTDOWN_GRACE_S)
+        await self._runner.setup()
+        self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine-{self.index}")
+        try:
+            site = web.TCPSite(self._runner, "127.0.0.1", port)
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        """Close the port, end open requests, stop the engine. Idempotent."""
+        self._stopping.set()
+        for seq in [*self.engine.running, *self.engine.waiting]:
+            self.engine.abort(seq)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            try:
+                await self._engine_task
+            except asyncio.CancelledError:
+                pass
+            self._engine_task = None
+
+    # --- handlers ----------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: protocol.Kind) -> web.StreamResponse:
+        fault = self._fault
+        if fault is not None and fault.mode == "hang":
+            return await self._hang()
+        if fault is not None and fault.mode == "error":
+            return _error(fault.status, f"simulated failure of replica {self.index}")
+        try:
+            req = protocol.parse(kind, await _json(request), self.config)
+        except protocol.ProtocolError as exc:
+            return _error(exc.status, exc.message, param=exc.param)
+        if not req.stream and self._stalled(0):
+            return await self._hang()
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-sim{self.index}-{next(self._ids)}"
+        seq = self.engine.add(req.prompt_ids, req.max_tokens)
+        try:
+            if req.stream:
+                return await self._stream(request, req, rid, seq)
+            if await seq.wait_beyond(req.max_tokens - 1) < req.max_tokens:
+                return _error(503, "the simulated replica is shutting down")  # aborted
+            text = protocol.output_text(req.prompt_ids, 0, seq.output_count)
+            return web.json_response(protocol.full_response(
+                req, rid, int(time.time()), self.config.model, text, seq.output_count,
+                "length"))
+        finally:
+            self.engine.abort(seq)
+
+    async def _stream(self, request: web.Request, req: protocol.GenerationRequest, rid: str,
+                      seq: SimSequence) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chunks = protocol.ChunkWriter(req, rid, int(time.time()), self.config.model)
+        if self._stalled(0):
+            self.engine.abort(seq)
+            await self._hang()
+            return resp
+        if head := chunks.start():
+            await resp.write(head)
+        sent = 0
+        while sent < req.max_tokens:
+            count = await seq.wait_beyond(sent)
+            if count == sent:  # aborted: the replica is stopping
+                return resp
+            if self._stalled(count):
+                count = max(sent, min(count, self._fault.stall_after))  # type: ignore[union-attr]
+                if count > sent:
+                    await resp.write(chunks.tokens(sent, count - sent, None))
+                self.engine.abort(seq)
+                await self._hang()
+                return resp
+            finish = "length" if count >= req.max_tokens else None
+            await resp.write(chunks.tokens(sent, count - sent, finish))
+            sent = count
+        await resp.write(chunks.end(sent))
+        return resp
+
+    def _stalled(self, tokens: int) -> bool:
+        """True when a stall fault is set and a stream holding `tokens` must stop."""
+        fault = self._fault
+        return fault is not None and fault.mode == "stall" and tokens >= fault.stall_after
+
+    async def _hang(self) -> web.Response:
+        """Answer nothing until the replica stops."""
+        await self._stopping.wait()
+        return _error(503, "the simulated replica is shutting down")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        try:
+            ids = protocol.tokenize_body(body)
+        except protocol.ProtocolError as exc:
+            return _error(exc.status, exc.message, param=exc.param)
+        return web.json_response({"count": len(ids), "max_model_len": self.config.max_model_len,
+                                  "tokens": ids, "token_strs": None})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = self.config.model
+        return web.json_response({"object": "list", "data": [{
+            "id": model, "object": "model", "created": self._created, "owned_by": "vllm",
+            "root": model, "parent": None, "max_model_len": self.config.max_model_len,
+            "permission": []}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self._fault.health_status if self._fault else 200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(self.engine),
+                            headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def _fault_endpoint(self, request: web.Request) -> web.Response:
+        if request.method == "PUT":
+            try:
+                self.fault = Fault.from_json(await _json(request))
+            except ConfigError as exc:
+                return _error(400, str(exc))
+        elif request.method == "DELETE":
+            self.fault = None
+        elif request.method != "GET":
+            return _error(405, f"{request.method} is not allowed on /sim/fault")
+        return web.json_response((self._fault or Fault()).to_json())
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _error(status: int, message: str, *, param: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, param=param),
+                        content_type="application/json")
+

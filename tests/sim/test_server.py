@@ -1,0 +1,181 @@
+"""A simulated replica speaks vLLM's OpenAI API: the official client works with it,
+streams have one chunk per token, usage adds up, errors come in OpenAI's envelope,
+/metrics parses and follows the engine, and time to first token behaves as modelled."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+
+from dpserve.sim import SimReplica, tokenizer
+from tests.sim.conftest import FAST, TOLERANCE_S, scrape, wait_for
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[SimReplica]:
+    r = await SimReplica(FAST).start()
+    yield r
+    await r.stop()
+
+
+@pytest.fixture
+async def client(replica: SimReplica) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="unused",
+                                  max_retries=0) as c:
+        yield c
+
+
+async def test_the_openai_client_streams_one_chunk_per_token_and_a_usage_chunk(client):
+    prompt = "Plan a fleet of replicas for a chat service with long shared system prompts."
+    stream = await client.completions.create(
+        model=FAST.model, prompt=prompt, max_tokens=17, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = [c async for c in stream]
+    tokens = [c for c in chunks if c.choices]
+    assert len(tokens) == 17
+    assert [c.choices[0].finish_reason for c in tokens] == [None] * 16 + ["length"]
+    text = "".join(c.choices[0].text for c in tokens)
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.prompt_tokens == tokenizer.count(prompt)
+    assert usage.completion_tokens == 17 == tokenizer.count(text)
+    assert usage.total_tokens == usage.prompt_tokens + 17
+
+
+async def test_the_openai_client_chats_streamed_and_not(client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is data parallelism?"}]
+    reply = await client.chat.completions.create(model=FAST.model, messages=messages,
+                                                 max_tokens=6)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.role == "assistant"
+    assert tokenizer.count(reply.choices[0].message.content or "") == 6
+    assert reply.usage is not None and reply.usage.completion_tokens == 6
+
+    stream = await client.chat.completions.create(
+        model=FAST.model, messages=messages, max_completion_tokens=6, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks[1:] if c.choices]
+    assert len(content) == 6
+    assert "".join(content) == reply.choices[0].message.content  # deterministic output
+    assert chunks[-1].usage == reply.usage
+
+
+async def test_models_and_tokenize_agree_with_usage(client, replica):
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [FAST.model]
+    prompt = "count these words please"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/tokenize", json={"prompt": prompt}) as resp:
+            counted = (await resp.json())["count"]
+    done = await client.completions.create(model=FAST.model, prompt=prompt, max_tokens=1)
+    assert done.usage is not None and done.usage.prompt_tokens == counted == 8  # coun t thes e ...
+
+
+async def test_token_id_prompts_are_accepted(client):
+    done = await client.completions.create(model=FAST.model, prompt=list(range(40)),
+                                           max_tokens=2)
+    assert done.usage is not None and done.usage.prompt_tokens == 40
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "other", "prompt": "hi"}, 404, "model"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi " * 4000, "max_tokens": 200}, 400, "max_tokens"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+])
+async def test_invalid_requests_get_vllms_error_envelope(replica, body, status, param):
+    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions",
+                                                    json=body) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert error["code"] == status and error["param"] == param and error["message"]
+
+
+async def test_metrics_show_running_and_waiting_requests():
+    config = dataclasses.replace(FAST, max_num_seqs=2)
+    small = await SimReplica(config).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(s.post(small.url + "/v1/completions", json={
+                "prompt": f"request {i}", "max_tokens": 1000})) for i in range(5)]
+
+            async def two_run_three_wait() -> bool:
+                m = await scrape(small.url)
+                return (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (2, 3)
+
+            await wait_for(two_run_three_wait, what="2 running and 3 waiting in /metrics")
+            m = await scrape(small.url)
+            assert 0 < m["vllm:kv_cache_usage_perc"] < 1
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        async def all_aborted() -> bool:
+            m = await scrape(small.url)
+            return (m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == 0
+                    and m["vllm:request_success_total{finished_reason=abort}"] == 5)
+
+        await wait_for(all_aborted, what="disconnected clients' requests aborted")
+        assert (await scrape(small.url))["vllm:kv_cache_usage_perc"] == 0
+    finally:
+        await small.stop()
+
+
+async def test_a_repeated_long_prefix_hits_the_cache_and_comes_back_sooner(replica):
+    system = " ".join(f"rule{i:04d}" for i in range(400))  # 800 tokens of shared prefix
+
+    async def ttft(question: str) -> float:
+        async with aiohttp.ClientSession() as s:
+            start = time.perf_counter()
+            async with s.post(replica.url + "/v1/completions", json={
+                    "prompt": f"{system} {question}", "max_tokens": 2, "stream": True}) as resp:
+                await resp.content.readuntil(b"\n\n")
+                first = time.perf_counter() - start
+                await resp.read()
+        return first
+
+    fresh = await ttft("first question?")
+    cached = await ttft("second question?")
+    m = await scrape(replica.url)
+    assert m["vllm:prefix_cache_hits_total"] == 800
+    assert m["vllm:prefix_cache_queries_total"] == tokenizer.count(
+        f"{system} first question? {system} second question?")
+    assert fresh >= FAST.step_base_s + 802 * FAST.prefill_per_token_s
+    assert cached < fresh - 600 * FAST.prefill_per_token_s
+
+
+async def test_client_measured_ttft_grows_with_prompt_length_as_modelled(replica):
+    async def ttft(tokens: int) -> float:
+        prompt = tokenizer.decode(range(tokens * 10, tokens * 11))  # `tokens` tokens
+        async with aiohttp.ClientSession() as s:
+            start = time.perf_counter()
+            async with s.post(replica.url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 1, "stream": True}) as resp:
+                await resp.content.readuntil(b"\n\n")
+                return time.perf_counter() - start
+
+    for tokens in (100, 1000, 2000):
+        modelled = FAST.step_base_s + tokens * FAST.prefill_per_token_s
+        measured = await ttft(tokens)
+        assert modelled <= measured <= modelled + 3 * TOLERANCE_S, (tokens, measured)
+
+
+async def test_an_unknown_body_shape_is_a_400(replica):
+    async with aiohttp.ClientSession() as s, s.post(
+            replica.url + "/v1/chat/completions", data=b"not json",
+            headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+        assert json.loads(await resp.text())["error"]["type"] == "BadRequestError"
+
