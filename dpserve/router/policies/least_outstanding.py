@@ -8,10 +8,16 @@ from dpserve.router.pool import Replica
 
 
 class LeastOutstanding:
-    """Fewest requests in flight (counted by the router); ties broken at random.
+    """Power of two choices: of two distinct candidates drawn at random, the one
+    with fewer requests in flight (counted by the router); on a tie, the first drawn.
 
-    Random tie-breaking matters at low load, when most replicas sit at zero:
-    always taking the first idle one would pile bursts onto replica 0.
+    Why not the global minimum: several routers (or one router acting on
+    counts that lag by a request) all sending to the single least-loaded
+    replica herd onto it; two random choices keep the maximum load within
+    O(log log n) of the average while never picking the busiest replica
+    (Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing").
+    Ties are broken by draw order, which is itself random, so bursts at low
+    load spread instead of piling onto replica 0.
     """
 
     name = "least-outstanding"
@@ -20,8 +26,8 @@ class LeastOutstanding:
         self._rng = rng or random.Random()
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
-        if not candidates:
-            return None
-        least = min(r.in_flight for r in candidates)
-        tied = [r for r in candidates if r.in_flight == least]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
+        i, j = self._rng.sample(range(len(candidates)), 2)
+        first, second = candidates[i], candidates[j]
+        return second if second.in_flight < first.in_flight else first
