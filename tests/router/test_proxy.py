@@ -139,7 +139,8 @@ async def test_replica_errors_pass_through_unchanged(fake_replicas):
 
 async def test_refused_connection_is_retried_on_another_replica_and_marked_down(fake_replicas):
     b = await fake_replicas("b")
-    async with running_router([b.url]) as (base, router):
+    # Round-robin, so the dead replica's turn surely comes (a random pick could miss it).
+    async with running_router([b.url], policy="round-robin") as (base, router):
         # A second replica that was ready a moment ago and has just died.
         from dpserve.router.pool import Replica
 
