@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from dpserve.router.engine_metrics import EngineLoad
+
 log = logging.getLogger("dpserve.pool")
 
 
@@ -49,6 +51,13 @@ class Replica:
     health_failures: int = 0
     state_since: float = field(default_factory=time.monotonic)
     last_error: str | None = None
+    engine: EngineLoad | None = None
+    """The engine's own report of its load at the last scrape of its /metrics."""
+    engine_scraped_at: float | None = None
+    """`time.monotonic()` of that scrape; None before the first one."""
+    engine_in_flight_at_scrape: int = 0
+    """The router's `in_flight` on this replica at that scrape, so a policy can add what
+    the router sent (or saw finish) since then to the engine's possibly stale numbers."""
 
     def __repr__(self) -> str:
         return f"Replica({self.id}, {self.url}, {self.state.value}, in_flight={self.in_flight})"
@@ -112,6 +121,12 @@ class ReplicaPool:
         if replica.state in (ReplicaState.READY, ReplicaState.STARTING):
             self.set_state(replica, ReplicaState.DOWN, reason)
         replica.health_successes = 0
+
+    def record_engine_load(self, replica: Replica, load: EngineLoad, now: float) -> None:
+        """Store a scrape together with the router's in-flight count at the same instant."""
+        replica.engine = load
+        replica.engine_scraped_at = now
+        replica.engine_in_flight_at_scrape = replica.in_flight
 
     @contextmanager
     def lease(self, replica: Replica) -> Iterator[Replica]:
