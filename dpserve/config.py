@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 import yaml
 
 ENV_PREFIX = "DPSERVE_"
-POLICIES = ("least-outstanding", "round-robin")
+POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
+            "engine-load")
 
 
 class ConfigError(ValueError):
@@ -47,7 +48,9 @@ class RouterConfig:
     port: int = 8000
     """Port of the OpenAI API."""
     policy: str = "least-outstanding"
-    """Replica selection: `least-outstanding` (power of two on ties) or `round-robin`."""
+    """Replica selection: `least-outstanding` (fewer in flight of two random replicas),
+    `round-robin`, `session-affinity` (X-Session-Id or `user`), `prefix-affinity`
+    (prompt start) or `engine-load` (the engines' own queue and KV-cache reports)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
     connect_timeout_s: float = 5.0

@@ -1,25 +1,58 @@
 """Replica selection policies.
 
 A policy is pure: `select(candidates, request) -> replica | None` looks only at
-its arguments (and its own counter or random source), does no I/O and logs
-nothing. The proxy passes only replicas that may take the request.
+its arguments (and its own counter, ring cache, clock or random source), does
+no I/O and logs nothing. The proxy passes only replicas that may take the request.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 
 from dpserve.router.policies.base import Policy, RequestInfo
+from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR
+from dpserve.router.policies.engine_load import EngineLoadPolicy
+from dpserve.router.policies.keys import DEFAULT_PREFIX_CHARS
 from dpserve.router.policies.least_outstanding import LeastOutstanding
+from dpserve.router.policies.prefix_affinity import PrefixAffinity
 from dpserve.router.policies.round_robin import RoundRobin
+from dpserve.router.policies.session_affinity import SessionAffinity
 
-__all__ = ["LeastOutstanding", "Policy", "RequestInfo", "RoundRobin", "make_policy"]
+__all__ = [
+    "POLICY_NAMES",
+    "EngineLoadPolicy",
+    "LeastOutstanding",
+    "Policy",
+    "PrefixAffinity",
+    "RequestInfo",
+    "RoundRobin",
+    "SessionAffinity",
+    "make_policy",
+]
+
+POLICY_NAMES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
+                "engine-load")
 
 
-def make_policy(name: str, *, rng: random.Random | None = None) -> Policy:
-    """Build a policy by its configuration name."""
+def make_policy(
+    name: str,
+    *,
+    rng: random.Random | None = None,
+    prefix_chars: int = DEFAULT_PREFIX_CHARS,
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    clock: Callable[[], float] = time.monotonic,
+) -> Policy:
+    """Build a policy by its configuration name; options a policy does not use are ignored."""
     if name == "least-outstanding":
         return LeastOutstanding(rng=rng)
     if name == "round-robin":
         return RoundRobin()
+    if name == "session-affinity":
+        return SessionAffinity(load_factor=load_factor, rng=rng)
+    if name == "prefix-affinity":
+        return PrefixAffinity(prefix_chars=prefix_chars, load_factor=load_factor, rng=rng)
+    if name == "engine-load":
+        return EngineLoadPolicy(clock=clock, rng=rng)
     raise ValueError(f"unknown policy {name!r}")

@@ -13,6 +13,12 @@ class RequestInfo:
 
     route: str
     model: str | None = None
+    session_id: str | None = None
+    """The client's conversation or user key (`X-Session-Id`, else the OpenAI `user`
+    field); see :func:`dpserve.router.policies.keys.session_id`."""
+    prefix: str | None = None
+    """Leading characters of the prompt or rendered messages, for prefix affinity;
+    see :func:`dpserve.router.policies.keys.prompt_prefix`."""
 
 
 class Policy(Protocol):
