@@ -19,11 +19,10 @@ import logging
 import httpx
 
 from dpserve.config import RouterConfig
+from dpserve.router.hysteresis import CHECKED, next_state
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 log = logging.getLogger("dpserve.health")
-
-_CHECKED = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DOWN)
 
 
 class HealthChecker:
@@ -39,14 +38,14 @@ class HealthChecker:
             await asyncio.sleep(self._config.health_interval_s)
 
     async def check_all(self) -> None:
-        replicas = [r for r in self._pool if r.state in _CHECKED]
+        replicas = [r for r in self._pool if r.state in CHECKED]
         results = await asyncio.gather(*(self._probe(r) for r in replicas))
         for replica, error in zip(replicas, results, strict=True):
             await self._record(replica, error)
 
     async def check_one(self, replica: Replica) -> None:
         """Probe one replica now (an admin undrain need not wait for the next round)."""
-        if replica.state in _CHECKED:
+        if replica.state in CHECKED:
             await self._record(replica, await self._probe(replica))
 
     async def _probe(self, replica: Replica) -> str | None:
@@ -62,25 +61,25 @@ class HealthChecker:
         return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
 
     async def _record(self, replica: Replica, error: str | None) -> None:
-        if replica.state not in _CHECKED:  # the admin path took it while we probed
+        if replica.state not in CHECKED:  # the admin path took it while we probed
             return
-        if error is None:
-            replica.health_failures = 0
-            replica.health_successes += 1
-            if (replica.state is not ReplicaState.READY
-                    and replica.health_successes >= self._config.healthy_threshold):
-                models = await self._fetch_models(replica)
-                if models is not None and replica.state in _CHECKED:
-                    replica.models = models
-                    self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+        verdict = next_state(
+            replica.state, error is None, replica.health_successes, replica.health_failures,
+            down_after=self._config.unhealthy_threshold, up_after=self._config.healthy_threshold,
+        )
+        replica.health_successes, replica.health_failures = verdict.successes, verdict.failures
+        if error is not None:
+            replica.last_error = error
+        if verdict.state is replica.state:
             return
-        replica.health_successes = 0
-        replica.health_failures += 1
-        replica.last_error = error
-        if (replica.state is ReplicaState.READY
-                and replica.health_failures >= self._config.unhealthy_threshold):
+        if verdict.state is ReplicaState.READY:
+            models = await self._fetch_models(replica)
+            if models is not None and replica.state in CHECKED:
+                replica.models = models
+                self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+        else:
             self._pool.set_state(
-                replica, ReplicaState.DOWN,
+                replica, verdict.state,
                 f"{replica.health_failures} health checks failed, last: {error}",
             )
 
