@@ -1,5 +1,6 @@
 """The timed request against the scripted fake server: its script is the truth."""
 
+import contextlib
 import json
 import time
 
@@ -17,13 +18,16 @@ def within(measured, truth):
 
 
 async def request(url, *, endpoint="completions", max_tokens=20, stream=True, limit_s=10.0,
-                  index=0):
+                  index=0, session=None):
     body = build_body(endpoint, model="fake-model", prompt="a b c", max_tokens=max_tokens,
                       stream=stream, ignore_eos=True, extra_body={})
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     record = RequestRecord(index=index, request_id=f"t-{index}", scheduled_s=0.0)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s)) as s:
-        await send(s, url + path, Payload(body, 3, max_tokens), record,
+    async with contextlib.AsyncExitStack() as stack:
+        if session is None:
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s)))
+        await send(session, url + path, Payload(body, 3, max_tokens), record,
                    t0=time.perf_counter(), stream=stream)
     return record
 
@@ -31,18 +35,21 @@ async def request(url, *, endpoint="completions", max_tokens=20, stream=True, li
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_ttft_and_tpot_match_what_the_server_did(fake_server, endpoint):
     """The truth is the server's own record of when it read the request and wrote each
-    token (its script, 100 ms then 10 ms per token, plus whatever its sleeps overshot)."""
-    server = await fake_server(Script(ttft_s=0.1, itl_s=0.01), record_timings=True)
-    for i in range(3):
-        r = await request(server.url, endpoint=endpoint, max_tokens=20, index=i)
-        assert r.ok, r.detail
-        truth = server.timings[r.request_id]
-        tokens = truth["tokens"]
-        assert within(r.ttft_s, tokens[0] - truth["received"]), (r.ttft_s, truth)
-        assert within(tpot_s(r), (tokens[-1] - tokens[0]) / 19), (tpot_s(r), tokens)
-        assert within(r.latency_s, tokens[-1] - truth["received"])
-        assert len(r.itl_s) == 19
-        assert within(sum(r.itl_s) / 19, (tokens[-1] - tokens[0]) / 19)
+    token: its script (200 ms, then 20 ms per token), plus whatever its sleeps overshot
+    on a busy machine. The measured TTFT also holds the request's way to the server."""
+    server = await fake_server(Script(ttft_s=0.2, itl_s=0.02), record_timings=True)
+    async with aiohttp.ClientSession() as session:
+        await request(server.url, max_tokens=1, index=-1, session=session)  # connect
+        for i in range(2):
+            r = await request(server.url, endpoint=endpoint, max_tokens=10, index=i,
+                              session=session)
+            assert r.ok, r.detail
+            truth = server.timings[r.request_id]
+            tokens = truth["tokens"]
+            assert within(r.ttft_s, tokens[0] - truth["received"]), (r.ttft_s, truth)
+            assert within(tpot_s(r), (tokens[-1] - tokens[0]) / 9), (tpot_s(r), tokens)
+            assert within(r.latency_s, tokens[-1] - truth["received"])
+            assert len(r.itl_s) == 9
 
 
 async def test_token_counts_come_from_the_final_usage_event(fake_server):
