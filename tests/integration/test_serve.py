@@ -138,17 +138,25 @@ def test_router_metrics_describe_the_replicas(deployment):
     assert "vllm:" not in text  # never re-exported under vLLM's names
 
 
-def test_loadtest_measures_the_deployment(deployment, capsys):
+def test_loadtest_measures_the_deployment(deployment, tiny_model, tmp_path):
     from loadtest.cli import main as loadtest
 
+    out = tmp_path / "loadtest.json"
     code = loadtest(["run", "--base-url", deployment.base_url, "--model", MODEL_NAME,
-                     "--num-prompts", "8", "--max-concurrency", "4", "--max-tokens", "8"])
-    summary = json.loads(capsys.readouterr().out)
+                     "--tokenizer", str(tiny_model), "--random-input-len", "16",
+                     "--random-output-len", "32", "--num-prompts", "8", "--max-concurrency", "4",
+                     "--num-warmups", "2", "--result-json", str(out), "--disable-tqdm"])
+    metrics = json.loads(out.read_text())["metrics"]
     assert code == 0
-    assert (summary["completed"], summary["failed"]) == (8, 0)
-    assert 0 < summary["ttft"]["median_ms"] < summary["e2el"]["median_ms"]
-    assert summary["tpot"]["median_ms"] > 0
-    assert summary["output_token_throughput"] > 0
+    assert (metrics["completed"], metrics["failed"]) == (8, 0)
+    assert metrics["total_output_tokens"] == 8 * 32  # ignore_eos: every answer is full length
+    assert 0 < metrics["ttft_ms"]["median"] < metrics["e2el_ms"]["median"]
+    assert metrics["tpot_ms"]["median"] > 0
+    assert metrics["output_throughput"] > 0
+    # The router names the replica of every answer: both served a share.
+    per_replica = metrics["per_replica"]
+    assert set(per_replica) == {"r0", "r1"}
+    assert sum(r["completed"] for r in per_replica.values()) == 8
 
 
 def test_a_killed_replica_is_routed_around_and_restarted(deployment):

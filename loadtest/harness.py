@@ -1,0 +1,160 @@
+"""A load test from settings to results: reach the server, build the prompts,
+send them on schedule, summarize. `run` does one point, `sweep` several."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+
+from loadtest import datasets
+from loadtest.arrivals import arrival_offsets
+from loadtest.client import ENDPOINT_PATHS, Payload, RequestRecord, build_body
+from loadtest.config import RunConfig
+from loadtest.errors import ConfigError, DatasetError, UnreachableError
+from loadtest.metrics import Metrics, summarize
+from loadtest.runner import LoadPlan, run_load
+
+SweepParameter = Literal["request_rate", "max_concurrency"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    model: str
+    payloads: list[Payload]
+    tokenizer: datasets.Tokenizer | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    config: RunConfig
+    model: str
+    started_at: str
+    finished_at: str
+    metrics: Metrics
+    records: list[RequestRecord]
+
+
+async def run(config: RunConfig) -> RunResult:
+    model = await check_server(config)
+    return await measure(config, build_workload(config, model))
+
+
+async def sweep(config: RunConfig, parameter: SweepParameter,
+                values: Sequence[float]) -> list[RunResult]:
+    """One run per value of ``parameter``, in order, on the same prompts."""
+    points = [point_config(config, parameter, v) for v in values]
+    model = await check_server(config)
+    workload = build_workload(max(points, key=lambda c: c.prompt_count), model)
+    return [await measure(c, workload) for c in points]
+
+
+def point_config(config: RunConfig, parameter: SweepParameter, value: float) -> RunConfig:
+    if parameter == "max_concurrency":
+        return dataclasses.replace(config, max_concurrency=int(value))
+    return dataclasses.replace(config, request_rate=float(value))
+
+
+async def check_server(config: RunConfig) -> str:
+    """The model to ask for, after checking that the server answers and serves it."""
+    url = config.base_url.rstrip("/") + "/v1/models"
+    served: list[str] | None = None
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
+                s.get(url, headers=config.headers) as resp:
+            if resp.status in (401, 403):
+                raise UnreachableError(
+                    f"{config.base_url} refused the request (HTTP {resp.status}): pass the API"
+                    " key with --header 'Authorization=Bearer KEY' or OPENAI_API_KEY")
+            if resp.status == 200:
+                served = [m["id"] for m in (await resp.json())["data"]]
+    except aiohttp.ClientConnectorError as exc:
+        err = exc.os_error
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise UnreachableError(f"cannot connect to {config.base_url}: {reason}") from None
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+        raise UnreachableError(
+            f"{config.base_url} did not answer GET /v1/models: {type(exc).__name__}"
+            f"{': ' + str(exc) if str(exc) else ''}") from None
+    if config.model is None:
+        if not served:
+            raise ConfigError(f"--model is required: {url} lists no model")
+        return served[0]
+    if served is not None and config.model not in served:
+        raise UnreachableError(f"{config.base_url} does not serve model {config.model!r}"
+                               f" (it serves: {', '.join(served) or 'nothing'})")
+    return config.model
+
+
+def build_workload(config: RunConfig, model: str) -> Workload:
+    tokenizer_dir = config.tokenizer or (Path(model) if Path(model).is_dir() else None)
+    if tokenizer_dir is None and config.dataset != "jsonl":
+        raise DatasetError(f"the {config.dataset} dataset counts tokens with the model's own"
+                           " tokenizer: pass --tokenizer DIR (a local directory)")
+    tokenizer = datasets.load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    n = config.prompt_count
+    if config.dataset == "random":
+        assert tokenizer is not None
+        prompts = datasets.random_prompts(
+            tokenizer, num_prompts=n, input_len=config.random_input_len,
+            output_len=config.output_len or config.random_output_len,
+            range_ratio=config.random_range_ratio, prefix_len=config.random_prefix_len,
+            seed=config.seed)
+    elif config.dataset == "sharegpt":
+        assert tokenizer is not None and config.dataset_path is not None
+        prompts = datasets.sharegpt_prompts(
+            config.dataset_path, tokenizer, num_prompts=n, output_len=config.output_len,
+            seed=config.seed, shuffle=config.shuffle)
+    else:
+        assert config.dataset_path is not None
+        prompts = datasets.jsonl_prompts(
+            config.dataset_path, num_prompts=n, output_len=config.output_len,
+            tokenizer=tokenizer, seed=config.seed, shuffle=config.shuffle)
+    payloads = [
+        Payload(build_body(config.endpoint, model=model, prompt=p.text,
+                           max_tokens=p.output_len, stream=config.stream,
+                           ignore_eos=config.sends_ignore_eos, extra_body=config.extra_body),
+                p.prompt_len, p.output_len)
+        for p in prompts]
+    return Workload(model=model, payloads=payloads, tokenizer=tokenizer)
+
+
+async def measure(config: RunConfig, workload: Workload) -> RunResult:
+    offsets = arrival_offsets(config.request_count, request_rate=config.request_rate,
+                              burstiness=config.burstiness, ramp_up=config.ramp_up,
+                              seed=config.seed)
+    plan = LoadPlan(
+        url=config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint],
+        payloads=workload.payloads, offsets=offsets, max_concurrency=config.max_concurrency,
+        duration_s=config.duration_s, request_timeout_s=config.request_timeout_s,
+        num_warmups=config.num_warmups, stream=config.stream, headers=config.headers,
+        request_id_prefix=config.request_id_prefix, progress=config.progress,
+        label=_label(config))
+    started = _now()
+    outcome = await run_load(plan)
+    finished = _now()
+    if workload.tokenizer is not None:
+        for r in outcome.records:
+            if r.ok and r.text is not None:  # no usage reported: count the text
+                r.output_tokens = len(workload.tokenizer.encode(r.text, add_special_tokens=False))
+    metrics = summarize(outcome.records, outcome.duration_s, percentiles=config.percentiles,
+                        slos_ms=config.goodput_ms)
+    return RunResult(config=config, model=workload.model, started_at=started,
+                     finished_at=finished, metrics=metrics, records=outcome.records)
+
+
+def _label(config: RunConfig) -> str:
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    cap = f" c={config.max_concurrency}" if config.max_concurrency else ""
+    return f"rate={rate}{cap}"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

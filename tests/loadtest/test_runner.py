@@ -1,0 +1,73 @@
+"""The load loop against the scripted fake server: schedule, cap, bounds, warm-up."""
+
+import time
+
+from loadtest.client import Payload, build_body
+from loadtest.fakes import Script
+from loadtest.metrics import peak_concurrency
+from loadtest.runner import LoadPlan, run_load
+
+
+def plan(server, offsets, **kw):
+    body = build_body("completions", model="fake-model", prompt="x", max_tokens=4,
+                      stream=True, ignore_eos=True, extra_body={})
+    return LoadPlan(url=server.url + "/v1/completions", payloads=[Payload(body, 1, 4)],
+                    offsets=offsets, **kw)
+
+
+async def test_requests_are_sent_on_schedule(fake_server):
+    server = await fake_server(Script(itl_s=0.001))
+    offsets = [0.0, 0.05, 0.1, 0.15, 0.2]
+    outcome = await run_load(plan(server, offsets))
+    assert [r.scheduled_s for r in outcome.records] == offsets
+    assert all(0 <= r.start_s - r.scheduled_s < 0.02 for r in outcome.records)
+    assert all(r.ok for r in outcome.records)
+    assert outcome.duration_s >= 0.2
+
+
+async def test_max_concurrency_caps_requests_in_flight(fake_server):
+    server = await fake_server(Script(ttft_s=0.03, itl_s=0.005))
+    outcome = await run_load(plan(server, [0.0] * 12, max_concurrency=3))
+    records = outcome.records
+    assert len(records) == 12 and all(r.ok for r in records)
+    assert peak_concurrency((r.start_s, r.end_s) for r in records) == 3
+    # A request waited for a slot: its queue time shows it, its TTFT does not.
+    assert max(r.start_s - r.scheduled_s for r in records) > 0.08
+    assert max(r.ttft_s for r in records) < 0.07
+
+
+async def test_duration_stops_sending_new_requests(fake_server):
+    server = await fake_server(Script(itl_s=0.001))
+    started = time.perf_counter()
+    outcome = await run_load(plan(server, [i * 0.05 for i in range(200)], duration_s=0.5))
+    assert time.perf_counter() - started < 2.0
+    assert 8 <= len(outcome.records) <= 10
+    assert all(r.scheduled_s < 0.5 for r in outcome.records)
+
+
+async def test_a_closed_loop_with_a_duration_ends_on_time(fake_server):
+    server = await fake_server(Script(ttft_s=0.01, itl_s=0.002))
+    outcome = await run_load(plan(server, [0.0] * 100_000, max_concurrency=4, duration_s=0.4))
+    assert 20 < len(outcome.records) < 200
+    assert outcome.duration_s < 0.6
+
+
+async def test_warm_up_requests_are_sent_first_and_not_recorded(fake_server):
+    server = await fake_server()
+    outcome = await run_load(plan(server, [0.0, 0.0], num_warmups=3, max_concurrency=2))
+    assert len(outcome.records) == 2
+    assert server.received == 5
+
+
+async def test_a_hung_request_ends_at_its_timeout_and_the_run_goes_on(fake_server):
+    server = await fake_server(Script(faults={0: "hang"}))
+    started = time.perf_counter()
+    outcome = await run_load(plan(server, [0.0, 0.01, 0.02], request_timeout_s=0.3))
+    assert time.perf_counter() - started < 1.5
+    assert sorted(str(r.error) for r in outcome.records) == ["None", "None", "timeout"]
+
+
+async def test_request_ids_number_the_requests(fake_server):
+    server = await fake_server()
+    outcome = await run_load(plan(server, [0.0, 0.0], request_id_prefix="run7-"))
+    assert [r.request_id for r in outcome.records] == ["run7-0", "run7-1"]
