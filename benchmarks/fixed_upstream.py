@@ -6,13 +6,18 @@ aiohttp server allows, and whatever a client measures through the router on
 top of a direct call is the router's own cost.
 
     python benchmarks/fixed_upstream.py --port 9001 [--model NAME] [--chunks 16]
+        [--chunk-delay-ms 0] [--stamp]
 
 Routes:
 - ``GET /health`` -> 200, empty body.
 - ``GET /v1/models`` -> one model, ``NAME``.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` -> a small fixed
   completion JSON; with ``"stream": true`` in the body, ``--chunks`` fixed SSE
-  ``data: {...}`` events followed by ``data: [DONE]``.
+  ``data: {...}`` events followed by ``data: [DONE]``, with ``--chunk-delay-ms``
+  between two events (0: written back to back), like tokens leaving an engine.
+  With ``--stamp`` each event's JSON starts with ``"sent_ns"``: the
+  ``time.monotonic_ns()`` at which it was written, so a client on the same
+  machine can tell how long each chunk took to reach it.
 - ``GET /metrics`` -> 200, empty body.
 
 Bodies are serialized once at start-up. The request body is parsed only to read
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import json
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -131,14 +137,28 @@ async def _wants_stream(request: web.Request) -> bool:
     return isinstance(body, dict) and body.get("stream") is True
 
 
-async def _stream(request: web.Request, events: tuple[bytes, ...]) -> web.StreamResponse:
+_EVENT_START = b"data: {"
+
+
+def stamped(event: bytes) -> bytes:
+    """``event`` with ``"sent_ns":NOW,`` as its JSON's first member (``[DONE]`` unchanged)."""
+    if not event.startswith(_EVENT_START):
+        return event
+    stamp = b'"sent_ns":%d,' % time.monotonic_ns()
+    return _EVENT_START + stamp + event[len(_EVENT_START):]
+
+
+async def _stream(
+    request: web.Request, events: tuple[bytes, ...], delay_s: float, stamp: bool
+) -> web.StreamResponse:
     response = web.StreamResponse(
         status=200, headers={"Content-Type": SSE_TYPE, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    for event in events:
-        await response.write(event)
-    await response.write(DONE_EVENT)
+    for i, event in enumerate((*events, DONE_EVENT)):
+        if i and delay_s:
+            await asyncio.sleep(delay_s)
+        await response.write(stamped(event) if stamp else event)
     await response.write_eof()
     return response
 
@@ -146,17 +166,21 @@ async def _stream(request: web.Request, events: tuple[bytes, ...]) -> web.Stream
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _generation_handler(body: bytes, events: tuple[bytes, ...]) -> Handler:
+def _generation_handler(
+    body: bytes, events: tuple[bytes, ...], delay_s: float, stamp: bool
+) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         if await _wants_stream(request):
-            return await _stream(request, events)
+            return await _stream(request, events, delay_s, stamp)
         return web.Response(body=body, content_type=JSON_TYPE)
 
     return handle
 
 
-def build_app(bodies: FixedBodies) -> web.Application:
-    """The aiohttp application serving ``bodies``."""
+def build_app(
+    bodies: FixedBodies, *, chunk_delay_s: float = 0.0, stamp: bool = False
+) -> web.Application:
+    """The aiohttp application serving ``bodies``, streams paced by ``chunk_delay_s``."""
 
     async def empty(_: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -169,17 +193,22 @@ def build_app(bodies: FixedBodies) -> web.Application:
     app.router.add_get("/metrics", empty)
     app.router.add_get("/v1/models", models)
     app.router.add_post(
-        "/v1/completions", _generation_handler(bodies.completion, bodies.completion_chunks)
+        "/v1/completions",
+        _generation_handler(bodies.completion, bodies.completion_chunks, chunk_delay_s, stamp),
     )
     app.router.add_post(
-        "/v1/chat/completions", _generation_handler(bodies.chat, bodies.chat_chunks)
+        "/v1/chat/completions",
+        _generation_handler(bodies.chat, bodies.chat_chunks, chunk_delay_s, stamp),
     )
     return app
 
 
-async def serve(host: str, port: int, bodies: FixedBodies) -> None:
+async def serve(
+    host: str, port: int, bodies: FixedBodies, chunk_delay_s: float = 0.0, stamp: bool = False
+) -> None:
     """Serve until SIGTERM or SIGINT."""
-    runner = web.AppRunner(build_app(bodies), access_log=None, handle_signals=False)
+    app = build_app(bodies, chunk_delay_s=chunk_delay_s, stamp=stamp)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -198,10 +227,17 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fixed-model")
     parser.add_argument("--chunks", type=int, default=16, help="SSE events per streamed reply")
+    parser.add_argument("--chunk-delay-ms", type=float, default=0.0,
+                        help="pause between two SSE events of a streamed reply")
+    parser.add_argument("--stamp", action="store_true",
+                        help='put "sent_ns" (monotonic clock at write) in every SSE event')
     args = parser.parse_args()
     if args.chunks < 1:
         parser.error("--chunks must be at least 1")
-    coro = serve(args.host, args.port, build_bodies(args.model, args.chunks))
+    if args.chunk_delay_ms < 0:
+        parser.error("--chunk-delay-ms must be >= 0")
+    bodies = build_bodies(args.model, args.chunks)
+    coro = serve(args.host, args.port, bodies, args.chunk_delay_ms / 1000, args.stamp)
     try:
         import uvloop
     except ImportError:
