@@ -1,0 +1,71 @@
+"""Tools the benchmark needs but the project does not: a throwaway venv under build/.
+
+``vllm-router`` (the Rust router, as the PyPI wheel) and ``py-spy`` are installed
+with pip into ``build/bench-venv`` — never into the project's venv, whose
+dependencies they would change, and never committed (``build/`` is ignored).
+A tool already on PATH is used as it is.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_VENV = REPO / "build" / "bench-venv"
+VLLM_ROUTER_SPEC = "vllm-router==0.1.17"
+PY_SPY_SPEC = "py-spy"
+INSTALL_TIMEOUT_S = 600
+
+
+def ensure_tool(command: str, spec: str, venv: Path = BENCH_VENV) -> str:
+    """Path of ``command``: on PATH, in ``venv``, or pip-installed there from ``spec``.
+
+    Raises RuntimeError, with pip's output, when it cannot be installed.
+    """
+    found = shutil.which(command)
+    if found:
+        return found
+    candidate = venv / "bin" / command
+    if candidate.exists():
+        return str(candidate)
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating the benchmark's throwaway venv {venv} ...", flush=True)
+        _run([sys.executable, "-m", "venv", str(venv)], f"could not create {venv}")
+    print(f"installing {spec} into {venv} ...", flush=True)
+    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", spec],
+         f"`pip install {spec}` into {venv} failed")
+    if not candidate.exists():
+        raise RuntimeError(f"{spec} installed into {venv} but {candidate} is missing")
+    return str(candidate)
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[-1] if text else "?"
+
+
+def vllm_router_version(vllm_router: str) -> str:
+    """The installed wheel's version, read from the venv next to the executable."""
+    python = Path(vllm_router).with_name("python")
+    if not python.exists():
+        return "?"
+    return tool_version([str(python), "-c",
+                         "import importlib.metadata as m; print(m.version('vllm-router'))"])
+
+
+def _run(argv: list[str], what: str) -> None:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what}: no result within {INSTALL_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what}:\n{(proc.stdout + proc.stderr).strip()[-2000:]}")
