@@ -23,7 +23,8 @@ MODEL = "fake-model"
 class FakeReplica:
     name: str
     mode: str = "ok"
-    """ok | error400 | drop (close before answering) | cut (stream 2 chunks then close)
+    """ok | error400 | error500 | error503 | drop (close before answering)
+    | cut (stream 2 chunks then close)
     | hang (answer nothing; streams hang after their first chunk)"""
     chunks: int = 4
     chunk_delay_s: float = 0.0
@@ -68,10 +69,11 @@ class FakeReplica:
         body = await request.json()
         self.requests.append(body)
         self.headers_seen.append(request.headers.copy())  # case-insensitive
-        if self.mode == "error400":
+        if self.mode in ("error400", "error500", "error503"):
+            code = int(self.mode[-3:])
             return web.json_response(
-                {"error": {"message": f"{self.name} says no", "type": "BadRequestError",
-                           "param": None, "code": 400}}, status=400)
+                {"error": {"message": f"{self.name} says no", "type": "FakeError",
+                           "param": None, "code": code}}, status=code)
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.close()

@@ -28,6 +28,7 @@ from dpserve.config import RouterConfig
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
 from dpserve.router.admin import admin_routes
 from dpserve.router.auth import Authenticate
+from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
 from dpserve.router.health import HealthChecker
 from dpserve.router.policies import make_policy
@@ -54,7 +55,9 @@ class Router:
         self.pool = pool
         self.config = config
         self.metrics = RouterMetrics(pool)
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
+                                  load_factor=config.load_factor)
+        self.dispatcher = Dispatcher(pool, self.policy, config)
         self._session: aiohttp.ClientSession | None = None
         self._control: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -117,7 +120,7 @@ def build_app(router: Router) -> Starlette:
     ]
     for path, method, has_body in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(
-            path, pool=router.pool, policy=router.policy, config=router.config,
+            path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
             metrics=router.metrics, session=router.session, has_body=has_body,
         )
         routes.append(Route(path, endpoint, methods=[method]))

@@ -18,8 +18,8 @@ Each engine step, like vLLM v1's scheduler:
    those that reach `max_tokens` finish and release their blocks.
 
 Timing: step k ends at a deadline on the loop's clock, the previous deadline
-plus the step's time (or "now" when the engine was idle), and the task sleeps
-until then. Waking late does not shift later steps, so errors do not add up;
+plus the step's time (or the first request's arrival when the engine was idle),
+and the task sleeps until then. Waking late does not shift later steps, so errors do not add up;
 the lateness of each wake-up is recorded (see metrics.py). Only when the loop
 falls more than `RESYNC_S` behind is the clock moved to "now".
 """
@@ -141,7 +141,11 @@ class Engine:
             if not self.running and not self.waiting:
                 self._work.clear()
                 await self._work.wait()
-                clock = loop.time()
+                if not self.waiting:  # aborted before the engine woke
+                    continue
+                # An idle engine starts on a request the moment it arrives; how late the
+                # loop woke this task is the simulator's delay, not the model's.
+                clock = max(clock, self.waiting[0].arrival)
             batch, step_s = self._schedule()
             deadline = clock + step_s
             delay = deadline - loop.time()

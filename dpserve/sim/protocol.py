@@ -94,10 +94,9 @@ def _prompt(prompt: Any) -> list[int]:
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                         for t in prompt):
-        if any(not 0 <= t < tokenizer.VOCAB_SIZE for t in prompt):
-            raise ProtocolError(f"token ids must be in [0, {tokenizer.VOCAB_SIZE})",
-                                param="prompt")
-        return list(prompt)
+        if any(t < 0 for t in prompt):
+            raise ProtocolError("token ids must not be negative", param="prompt")
+        return list(prompt)  # any model's ids: only their count and equality matter
     raise ProtocolError("prompt must be a string or a list of token ids (one prompt per "
                         "request in the simulator)", param="prompt")
 
@@ -122,10 +121,14 @@ def _chat_prompt(messages: Any) -> list[int]:
 
 def output_text(prompt_ids: list[int], start: int, count: int) -> str:
     """Text of output tokens `start .. start+count-1`: deterministic pseudo-tokens, each
-    a space and three characters, so the text re-encodes to `count` tokens."""
+    a space and two characters, so the text re-encodes to `count` tokens."""
+    return "".join(_output_pieces(prompt_ids, start, count))
+
+
+def _output_pieces(prompt_ids: list[int], start: int, count: int) -> list[str]:
     seed = prompt_ids[0] * 7919 + len(prompt_ids)
-    return "".join(" " + tokenizer.spell((seed + k * 40503) % tokenizer.VOCAB_SIZE)
-                   for k in range(start, start + count))
+    return [" " + tokenizer.spell((seed + k * 40503) % tokenizer.VOCAB_SIZE)
+            for k in range(start, start + count)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -158,13 +161,22 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 class ChunkWriter:
     """Builds the stream's events: per output token one chunk (the last one carrying
     `finish_reason`), for chat a first chunk with the role, then the usage chunk
-    when asked for, then ``[DONE]``."""
+    when asked for, then ``[DONE]``. Token chunks are filled into a template rather
+    than serialized one by one: they are the simulator's hottest path, and output
+    text never needs JSON escaping."""
 
     def __init__(self, req: GenerationRequest, rid: str, created: int, model: str) -> None:
         self._req = req
         chat = req.kind == "chat"
         self._head = {"id": rid, "object": "chat.completion.chunk" if chat
                       else "text_completion", "created": created, "model": model}
+        head = json.dumps(self._head, separators=(",", ":"))[:-1]
+        if chat:
+            self._open = f'data: {head},"choices":[{{"index":0,"delta":{{"content":"'
+            self._close = ('"},"logprobs":null,"finish_reason":', "}]}\n\n")
+        else:
+            self._open = f'data: {head},"choices":[{{"index":0,"text":"'
+            self._close = ('","logprobs":null,"finish_reason":', ',"stop_reason":null}]}\n\n')
 
     def start(self) -> bytes:
         if self._req.kind != "chat":
@@ -175,18 +187,12 @@ class ChunkWriter:
 
     def tokens(self, start: int, count: int, finish_reason: str | None) -> bytes:
         """Events of output tokens `start .. start+count-1`, one chunk each."""
-        out = []
-        for k in range(start, start + count):
-            text = output_text(self._req.prompt_ids, k, 1)
-            reason = finish_reason if k == start + count - 1 else None
-            if self._req.kind == "chat":
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
-                                          "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
-                          "stop_reason": None}
-            out.append(sse({**self._head, "choices": [choice]}))
-        return b"".join(out)
+        middle, end = self._close
+        pieces = _output_pieces(self._req.prompt_ids, start, count)
+        last = "null" if finish_reason is None else json.dumps(finish_reason)
+        events = [self._open + p + middle + "null" + end for p in pieces[:-1]]
+        events.append(self._open + pieces[-1] + middle + last + end)
+        return "".join(events).encode()
 
     def end(self, completion_tokens: int) -> bytes:
         tail = b""

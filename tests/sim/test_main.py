@@ -9,6 +9,8 @@ import urllib.request
 
 import pytest
 
+from dpserve.sim.__main__ import main
+
 
 def test_the_command_prints_urls_serves_them_and_stops_on_sigterm(tmp_path):
     config = tmp_path / "sim.yaml"
@@ -35,8 +37,6 @@ def test_the_command_prints_urls_serves_them_and_stops_on_sigterm(tmp_path):
 
 @pytest.mark.parametrize(("args", "named"), [(["--max-num-seqs", "0"], "max_num_seqs"),
                                              (["--replicas", "0"], "--replicas")])
-def test_bad_settings_exit_2_naming_them(args, named):
-    done = subprocess.run([sys.executable, "-m", "dpserve.sim", *args],
-                          capture_output=True, text=True, timeout=30)
-    assert done.returncode == 2
-    assert named in done.stderr
+def test_bad_settings_exit_2_naming_them(args, named, capsys):
+    assert main(args) == 2
+    assert named in capsys.readouterr().err
