@@ -98,6 +98,8 @@ def _drive(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _plot_dir(config: RunConfig) -> Path | None:
+    if not config.plots:
+        return None
     if config.plot_dir:
         return config.plot_dir
     return config.result_json.parent if config.result_json else None
@@ -139,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         percentiles=tuple(_numbers(args.metric_percentiles, "--metric-percentiles")),
         goodput_ms=parse_goodput(args.goodput or []), headers=headers, extra_body=extra_body,
         request_id_prefix=args.request_id_prefix, result_json=args.result_json,
-        save_detailed=args.save_detailed, plot_dir=args.plot_dir,
+        save_detailed=args.save_detailed, plot_dir=args.plot_dir, plots=not args.no_plots,
         metadata=parse_key_values(args.metadata or [], "--metadata"),
         progress=not args.disable_tqdm)
 
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add every request's record to the JSON")
     out.add_argument("--plot-dir", type=Path,
                      help="write PNG plots here (default: beside --result-json)")
+    out.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     out.add_argument("--metadata", nargs="*", metavar="KEY=VALUE",
                      help="labels stored in the JSON")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -64,6 +64,8 @@ class RunConfig:
     result_json: Path | None = None
     save_detailed: bool = False
     plot_dir: Path | None = None
+    """Where PNG plots go; None: beside ``result_json``."""
+    plots: bool = True
     metadata: dict[str, str] = field(default_factory=dict)
     progress: bool = True
 

@@ -9,7 +9,9 @@ inference; its timing is the script's:
 - the first token is written ``ttft_s`` after the request body was read, token
   ``k`` at ``ttft_s + k * itl_s`` (absolute deadlines, so sleep overshoot does
   not accumulate); so the true TTFT is ``ttft_s`` and the true TPOT ``itl_s``;
-- it writes ``output_tokens`` tokens, or the request's ``max_tokens``;
+- it writes ``output_tokens`` tokens, or the request's ``max_tokens``; with no
+  inter-token delay the whole answer goes out in one write (a fixed-response
+  server, fast enough to load-test the client);
 - ``faults`` maps the n-th request the server receives (from 0) to a fault:
   ``http500``/``http429`` (an error envelope), ``drop`` (close the connection
   before answering), ``cut`` (close it after the first token), ``error_event``
@@ -155,13 +157,24 @@ class FakeOpenAIServer:
                                       "usage": usage}, headers=headers)
 
         first, token, last = self._chunks[kind]
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", **headers})
-        await resp.prepare(request)
         sent: list[float] | None = None
         if self.record_timings:
             sent = []
             self.timings[request.headers.get("x-request-id", str(n))] = {
                 "received": begin, "tokens": sent}
+        with_usage = script.usage and (body.get("stream_options") or {}).get("include_usage")
+        if script.itl_s == 0 and fault is None:
+            # Nothing to wait for between tokens: the whole answer in one write.
+            await _sleep_until(begin + script.ttft_s)
+            events = [first, *[token] * (tokens - 2), last][:tokens]
+            if with_usage:
+                events.append(_event({"model": self.model, "choices": [], "usage": usage}))
+            if sent is not None:
+                sent.extend([time.perf_counter()] * tokens)
+            return web.Response(body=b"".join([*events, b"data: [DONE]\n\n"]),
+                                headers={"content-type": "text/event-stream", **headers})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", **headers})
+        await resp.prepare(request)
         for k in range(tokens):
             await _sleep_until(begin + script.ttft_s + k * script.itl_s)
             if k == 1 and fault == "cut":
@@ -178,7 +191,7 @@ class FakeOpenAIServer:
             if sent is not None:
                 sent.append(time.perf_counter())
             await resp.write(first if k == 0 else last if k == tokens - 1 else token)
-        if script.usage and (body.get("stream_options") or {}).get("include_usage"):
+        if with_usage:
             await resp.write(_event({"model": self.model, "choices": [], "usage": usage}))
         if fault != "no_done":
             await resp.write(b"data: [DONE]\n\n")

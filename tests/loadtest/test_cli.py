@@ -18,8 +18,8 @@ def prompts(tmp_path):
     return path
 
 
-def run(*argv):
-    return main(["run", *argv, "--disable-tqdm"])
+def run(*argv, plots=False):
+    return main(["run", *argv, "--disable-tqdm", *([] if plots else ["--no-plots"])])
 
 
 def test_a_run_prints_a_summary_and_writes_results_and_a_plot(
@@ -28,7 +28,8 @@ def test_a_run_prints_a_summary_and_writes_results_and_a_plot(
     out = tmp_path / "out" / "run.json"
     code = run("--base-url", server.url, "--dataset", "jsonl", "--dataset-path", str(prompts),
                "--output-len", "8", "--num-prompts", "12", "--max-concurrency", "4",
-               "--result-json", str(out), "--save-detailed", "--metadata", "build=abc")
+               "--result-json", str(out), "--save-detailed", "--metadata", "build=abc",
+               plots=True)
     printed = capsys.readouterr().out
     assert code == 0
     assert "Median TTFT (ms):" in printed and "Successful requests:" in printed
@@ -55,7 +56,7 @@ def test_the_random_dataset_uses_the_models_tokenizer(threaded_server, tokenizer
     code = run("--base-url", server.url, "--model", "fake-model", "--tokenizer",
                str(tokenizer_dir), "--random-input-len", "32", "--random-output-len", "6",
                "--num-prompts", "5", "--request-rate", "100", "--result-json", str(out),
-               "--plot-dir", str(tmp_path / "plots"))
+               "--plot-dir", str(tmp_path / "plots"), plots=True)
     doc = json.loads(out.read_text())
     assert code == 0
     assert doc["config"]["ignore_eos"] is True
@@ -126,7 +127,7 @@ def test_a_concurrency_sweep(threaded_server, prompts, tmp_path):
     out = tmp_path / "sweep.json"
     main(["sweep", "--base-url", server.url, "--dataset", "jsonl", "--dataset-path",
           str(prompts), "--num-prompts", "6", "--output-len", "2", "--max-concurrencies",
-          "1,3", "--result-json", str(out), "--disable-tqdm"])
+          "1,3", "--result-json", str(out), "--disable-tqdm", "--no-plots"])
     points = json.loads(out.read_text())["points"]
     assert [p["metrics"]["peak_concurrency"] for p in points] == [1, 3]
 
@@ -173,3 +174,20 @@ def test_the_random_dataset_without_a_tokenizer_is_a_clear_error(threaded_server
 def test_a_bad_setting_names_its_flag(capsys, flags, message):
     assert run("--base-url", "http://127.0.0.1:1", *flags) == 2
     assert message in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(("flags", "timed"), [
+    (["--endpoint", "chat"], True),
+    (["--no-stream"], False),
+    (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "50", "--ramp-up-end-rps", "200"],
+     True),
+    (["--request-rate", "100", "--burstiness", "0.5", "--num-warmups", "2"], True),
+])
+def test_other_endpoints_and_arrival_shapes(threaded_server, prompts, tmp_path, flags, timed):
+    server = threaded_server(Script(ttft_s=0.005, itl_s=0.001))
+    out = tmp_path / "run.json"
+    code = run("--base-url", server.url, "--dataset", "jsonl", "--dataset-path", str(prompts),
+               "--num-prompts", "5", "--output-len", "3", "--result-json", str(out), *flags)
+    m = json.loads(out.read_text())["metrics"]
+    assert (code, m["completed"], m["total_output_tokens"]) == (0, 5, 15)
+    assert (m["ttft_ms"]["count"] == 5) is timed
