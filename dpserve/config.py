@@ -60,7 +60,32 @@ class RouterConfig:
     stream_idle_timeout_s: float = 300.0
     """Longest gap between two chunks of a response before the stream is cut with an error."""
     max_attempts: int = 3
-    """Replicas tried per request when a replica cannot be reached (before any byte is sent)."""
+    """Replicas tried per request when one fails before any byte reached the client
+    (connection refused or dropped, 502/503/504, a timeout on a non-streaming request);
+    each retry goes to a replica not tried yet."""
+    retry_backoff_s: float = 0.02
+    """Delay before the first retry (full jitter), doubling per further retry."""
+    retry_backoff_max_s: float = 1.0
+    """Longest delay between two attempts of one request."""
+    prefix_chars: int = 256
+    """`prefix-affinity`: leading characters of the prompt (or rendered messages) hashed."""
+    load_factor: float = 1.25
+    """Affinity policies: a replica takes a key's request only while its in-flight count
+    is under `load_factor` x the fleet average (consistent hashing with bounded loads)."""
+    engine_scrape_interval_s: float = 1.0
+    """`engine-load`: period of reading every replica's /metrics (queue, KV cache)."""
+    max_in_flight_per_replica: int = 0
+    """Requests in flight per replica before new ones wait in the router's queue
+    (0: no cap; vLLM's own scheduler queues them)."""
+    queue_size: int = 1024
+    """Requests that may wait for a free replica; beyond it, 429 with Retry-After."""
+    queue_timeout_s: float = 30.0
+    """Longest wait in the router's queue before 429 with Retry-After."""
+    breaker_failures: int = 5
+    """Consecutive failed requests (connection errors, timeouts, 5xx; never 4xx) that open
+    a replica's circuit breaker and take it out of rotation."""
+    breaker_cooldown_s: float = 10.0
+    """Time an open breaker waits before letting one probe request through."""
     health_interval_s: float = 1.0
     """Period of the active health check of every replica."""
     health_timeout_s: float = 2.0
@@ -314,7 +339,16 @@ def _validate_router(c: RouterConfig) -> None:
         _require(value > 0, f"router.{name}", "must be > 0", value)
     _require(c.graceful_shutdown_s >= 0, "router.graceful_shutdown_s", "must be >= 0",
              c.graceful_shutdown_s)
-    for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold"):
+    for name in ("retry_backoff_s", "retry_backoff_max_s", "max_in_flight_per_replica",
+                 "queue_size", "breaker_cooldown_s"):
+        value = getattr(c, name)
+        _require(value >= 0, f"router.{name}", "must be >= 0", value)
+    for name in ("engine_scrape_interval_s", "queue_timeout_s", "load_factor"):
+        value = getattr(c, name)
+        _require(value > 0, f"router.{name}", "must be > 0", value)
+    _require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
+    for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
+                 "breaker_failures"):
         value = getattr(c, name)
         _require(value >= 1, f"router.{name}", "must be >= 1", value)
     for key in c.api_keys or []:

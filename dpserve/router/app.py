@@ -30,7 +30,7 @@ from dpserve.router.admin import admin_routes
 from dpserve.router.auth import Authenticate
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
-from dpserve.router.health import HealthChecker
+from dpserve.router.health import EngineScraper, HealthChecker
 from dpserve.router.policies import make_policy
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.proxy import ProxyEndpoint
@@ -61,6 +61,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._control: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
 
     @property
@@ -86,12 +87,17 @@ class Router:
         self._health = health = HealthChecker(self.pool, self.config, self._control)
         await health.check_all()  # replicas already up are ready on the first request
         self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
+        if self.config.policy == "engine-load":
+            scraper = EngineScraper(self.pool, self.config, self._control)
+            await scraper.scrape_all()
+            self._scrape_task = asyncio.create_task(scraper.run(), name="dpserve-engine-scrape")
 
     async def aclose(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._scrape_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._session is not None:
             await self._session.close()
         if self._control is not None:

@@ -5,7 +5,7 @@
 - `/admin/*` needs the admin key; with no admin key configured it answers
   loopback clients only, so a router published on a network never exposes its
   control plane by accident.
-- Probes and scrapes (`/health`, `/ready`, `/metrics`) stay open so
+- Probes and scrapes (`/health`, `/ready`, `/metrics`, `/metrics/engines`) stay open so
   orchestrators and Prometheus need no secret.
 
 Keys are compared in constant time, against every accepted key (so timing does
@@ -17,10 +17,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
+from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.errors import error_body
-from dpserve.router.proxy import Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/engines"})
 ADMIN_PREFIX = "/admin"
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
 from dpserve.config import RouterConfig
+from dpserve.router.engine_metrics import parse_engine_metrics
 from dpserve.router.hysteresis import CHECKED, next_state
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
@@ -94,3 +96,39 @@ class HealthChecker:
             log.warning("replica %s: healthy but /v1/models failed (%s); not admitting yet",
                         replica.id, exc)
             return None
+
+
+class EngineScraper:
+    """Reads every ready replica's `/metrics` on an interval for the `engine-load` policy.
+
+    The parse is pure (`parse_engine_metrics`); the result is stored with the
+    router's in-flight count of the same instant (`ReplicaPool.record_engine_load`,
+    with no await in between), which is what lets the policy correct a stale
+    scrape with what the router sent since. A failed scrape keeps the last one;
+    the policy ignores scrapes older than its `max_age_s`.
+    """
+
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient,
+                 ) -> None:
+        self._pool = pool
+        self._config = config
+        self._client = client
+
+    async def run(self) -> None:
+        while True:
+            await self.scrape_all()
+            await asyncio.sleep(self._config.engine_scrape_interval_s)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(r) for r in self._pool.ready()))
+
+    async def _scrape(self, replica: Replica) -> None:
+        try:
+            resp = await self._client.get(replica.url + "/metrics",
+                                          timeout=self._config.health_timeout_s)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.debug("replica %s: /metrics failed (%s)", replica.id, exc)
+            return
+        self._pool.record_engine_load(replica, parse_engine_metrics(resp.text),
+                                      time.monotonic())

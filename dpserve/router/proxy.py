@@ -1,17 +1,19 @@
-"""Forwarding one client request to one replica, as a pure ASGI endpoint.
+"""Forwarding one client request to the replicas, as a pure ASGI endpoint.
 
 The data plane: aiohttp for the upstream call (see ARCHITECTURE.md for why),
-raw ASGI on the client side (no Starlette Request/Response objects, no
-BaseHTTPMiddleware) so that a request costs as little as possible.
+raw ASGI on the client side (`dpserve.router.asgi`) so that a request costs as
+little as possible.
 
 Order of events for one request:
 
 1. read the body (bounded: 413 past the limit), parse it (400 unless a JSON object),
-   check the model name against the replicas' (404);
-2. choose a replica with the policy and hold a lease on it;
-3. send upstream; if the replica cannot be reached, or drops the connection
-   before a single byte went to the client, mark it and try another one
-   (bounded attempts) — the client has seen nothing, so a retry is invisible;
+   check the model name against the replicas' (404), read its affinity keys;
+2. ask the dispatcher for a replica (`dpserve.router.dispatch`: policy, caps,
+   admission queue, circuit breakers) and hold a slot on it for the attempt;
+3. send upstream; if the attempt fails in a way `retry.is_retryable` allows —
+   always before a single byte went to the client — try another replica after
+   a short backoff (bounded attempts): the client has seen nothing, so a retry
+   is invisible;
 4. pass the response through: whole for JSON, chunk by chunk for streams.
    A stream that breaks after it started ends with an SSE error event, never a hang;
 5. if the client disconnects at any point, the upstream request is closed, so
@@ -24,52 +26,40 @@ import asyncio
 import json
 import logging
 import time
-import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 import aiohttp
 
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import RouterMetrics, status_class
-from dpserve.router.errors import RouterError, error_body, sse_error_event
-from dpserve.router.policies import Policy, RequestInfo
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.asgi import (
+    Receive,
+    ReplyTracker,
+    Scope,
+    Send,
+    downstream_headers,
+    request_id,
+    send_json_error,
+    upstream_headers,
+    watch_disconnect,
+)
+from dpserve.router.breaker import Outcome, classify
+from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
+from dpserve.router.errors import RouterError, sse_error_event
+from dpserve.router.policies import RequestInfo
+from dpserve.router.policies.keys import prompt_prefix, session_id
+from dpserve.router.pool import ReplicaPool
+from dpserve.router.retry import backoff, is_retryable
 
 log = logging.getLogger("dpserve.proxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-REQUEST_ID_HEADER = "x-request-id"
-REPLICA_HEADER = "x-dpserve-replica"
-WEIGHT_VERSION_HEADER = "x-dpserve-weight-version"
-
-# Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the
-# ones aiohttp/uvicorn recompute for us.
-_HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-})
-_HOP_BY_HOP_STR = frozenset(h.decode() for h in _HOP_BY_HOP) | {"date", "server"}
-
-# Errors that mean "this replica did not take the request": safe to retry elsewhere.
+# Errors that mean "the connection broke": the replica may not have taken the request.
 _UNREACHABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
                 aiohttp.ClientOSError, aiohttp.ClientPayloadError)
 
 
 class _ClientGone(Exception):
     """The client disconnected; stop working on its request."""
-
-
-@dataclass(slots=True)
-class _Attempt:
-    replica: Replica
-    status: int = 0
-    started_body: bool = False
 
 
 class ProxyEndpoint:
@@ -80,7 +70,7 @@ class ProxyEndpoint:
         route: str,
         *,
         pool: ReplicaPool,
-        policy: Policy,
+        dispatcher: Dispatcher,
         config: RouterConfig,
         metrics: RouterMetrics,
         session: Callable[[], aiohttp.ClientSession],
@@ -88,11 +78,13 @@ class ProxyEndpoint:
     ) -> None:
         self.route = route
         self._pool = pool
-        self._policy = policy
+        self._dispatch = dispatcher
         self._config = config
         self._metrics = metrics
         self._session = session
         self._has_body = has_body
+        self._wants_session = config.policy == "session-affinity"
+        self._wants_prefix = config.policy == "prefix-affinity"
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=config.connect_timeout_s,
             sock_read=config.first_byte_timeout_s,
@@ -100,20 +92,22 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
-        request_id = _request_id(scope)
+        rid = request_id(scope)
         served_by = "none"
         status = 500
-        replied = _ReplyTracker(send)
+        replied = ReplyTracker(send)
         watcher: asyncio.Task[None] | None = None
         try:
             body, info, stream = await self._read_request(scope, receive)
-            watcher = _watch_disconnect(receive, asyncio.current_task(), replied)
-            served_by, status = await self._forward(scope, body, info, stream, request_id,
-                                                    replied, start)
+            watcher = watch_disconnect(receive, asyncio.current_task(), replied)
+            served_by, status = await self._forward(scope, body, info, stream, rid, replied,
+                                                    start)
         except RouterError as exc:
             status = exc.status
             if not replied.started:
-                await _send_json_error(replied, exc, request_id)
+                extra = ([(b"retry-after", str(exc.retry_after_s).encode())]
+                         if isinstance(exc, Unavailable) else None)
+                await send_json_error(replied, exc, rid, extra)
         except _ClientGone:
             status = 499  # client closed request (nginx's convention)
             self._metrics.client_disconnects.labels(self.route).inc()
@@ -168,75 +162,97 @@ class ProxyEndpoint:
         known = self._pool.served_models()
         if model is not None and known and model not in known:
             raise RouterError(404, f"The model `{model}` does not exist.", param="model")
-        return body, RequestInfo(route=self.route, model=model), payload.get("stream") is True
+        info = RequestInfo(
+            route=self.route, model=model,
+            session_id=session_id(scope["headers"], payload) if self._wants_session else None,
+            prefix=(prompt_prefix(payload, self._config.prefix_chars)
+                    if self._wants_prefix else None),
+        )
+        return body, info, payload.get("stream") is True
 
     async def _forward(
-        self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, request_id: str,
-        replied: _ReplyTracker, start: float,
+        self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, rid: str,
+        replied: ReplyTracker, start: float,
     ) -> tuple[str, int]:
-        headers = _upstream_headers(scope, request_id, body_len=len(body))
-        tried: set[str] = set()
-        last_error = ""
-        for attempt in range(self._config.max_attempts):
-            candidates = [r for r in self._pool.ready() if r.id not in tried]
-            replica = self._policy.select(candidates, info)
-            if replica is None:
-                break
-            tried.add(replica.id)
-            if attempt:
-                self._metrics.retries.labels(self.route).inc()
-            with self._pool.lease(replica):
-                outcome = await self._try_replica(
-                    replica, scope, body, headers, stream, request_id, replied, start
-                )
-            if isinstance(outcome, int):
-                return replica.id, outcome
-            last_error = f"replica {replica.id}: {outcome}"
-            log.warning("request %s: %s; %s", request_id, last_error,
-                        "retrying on another replica" if attempt + 1 < self._config.max_attempts
-                        else "giving up")
-        if not tried:
-            raise RouterError(503, "no replica is ready to serve requests; retry later")
-        raise RouterError(502, f"no replica could serve the request ({last_error})")
-
-    async def _try_replica(
-        self, replica: Replica, scope: Scope, body: bytes, headers: dict[str, str],
-        stream: bool, request_id: str, replied: _ReplyTracker, start: float,
-    ) -> int | str:
-        """Returns the status sent to the client, or a reason to try another replica."""
-        url = replica.url + scope["path"]
+        headers = upstream_headers(scope, rid)
+        url_tail = scope["path"]
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        session = self._session()
+            url_tail += "?" + scope["query_string"].decode("latin-1")
+        attempts = self._config.max_attempts
+        tried: list[str] = []
+        last_error, last_status = "", 502
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                self._metrics.retries.labels(self.route).inc()
+                await asyncio.sleep(backoff(attempt - 1, base=self._config.retry_backoff_s,
+                                            cap=self._config.retry_backoff_max_s))
+            try:
+                slot = await self._dispatch.choose(info, tried)
+            except Unavailable:
+                if not tried:
+                    raise
+                break
+            tried.append(slot.replica.id)
+            with self._dispatch.hold(slot):
+                result = await self._attempt(slot, scope["method"], url_tail, body, headers,
+                                             stream, rid, replied, start,
+                                             last=attempt == attempts)
+            if isinstance(result, int):
+                return slot.replica.id, result
+            last_error = f"replica {slot.replica.id}: {result}"
+            timed_out = slot.outcome in (Outcome.TIMEOUT, Outcome.CONNECT_TIMEOUT)
+            last_status = 504 if timed_out else 502
+            log.warning("request %s: %s; %s", rid, last_error,
+                        "retrying on another replica" if attempt < attempts else "giving up")
+        raise RouterError(last_status, f"no replica could serve the request ({last_error})")
+
+    def _retry(self, slot: Slot, stream: bool, last: bool, status: int | None = None) -> bool:
+        return not last and is_retryable(slot.outcome, status=status,
+                                         bytes_sent_to_client=False, stream=stream)
+
+    async def _attempt(
+        self, slot: Slot, method: str, url_tail: str, body: bytes, headers: dict[str, str],
+        stream: bool, rid: str, replied: ReplyTracker, start: float, *, last: bool,
+    ) -> int | str:
+        """The status sent to the client, or why to try another replica.
+
+        Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
+        """
+        replica = slot.replica
         try:
-            resp = await session.request(
-                scope["method"], url, data=body if self._has_body else None,
+            resp = await self._session().request(
+                method, replica.url + url_tail, data=body if self._has_body else None,
                 headers=headers, timeout=self._timeout, allow_redirects=False,
             )
-        except aiohttp.ClientConnectorError as exc:
-            self._pool.mark_down(replica, f"connection failed: {exc.os_error or exc}")
-            return f"connection failed ({exc.os_error or exc})"
-        except aiohttp.ConnectionTimeoutError:
-            # Not taken either, but a slow accept is no proof of death: the health
-            # checks decide whether it leaves rotation.
-            return f"no connection within {self._config.connect_timeout_s:g} s"
-        except _UNREACHABLE as exc:
-            return f"connection dropped before the response ({type(exc).__name__})"
-        except TimeoutError:
-            raise RouterError(
-                504, f"replica {replica.id} sent no response within "
-                f"{self._config.first_byte_timeout_s:g} s"
-            ) from None
+        except (*_UNREACHABLE, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            if slot.outcome is Outcome.CONNECT_FAILED:
+                self._pool.mark_down(replica, f"connection failed: {exc}")
+                return f"connection failed ({exc})"
+            if slot.outcome is Outcome.CONNECT_TIMEOUT:
+                # Not taken, but a slow accept is no proof of death: health checks decide.
+                return f"no connection within {self._config.connect_timeout_s:g} s"
+            if slot.outcome is Outcome.DISCONNECTED:
+                return f"connection dropped before the response ({type(exc).__name__})"
+            reason = f"no response within {self._config.first_byte_timeout_s:g} s"
+            if self._retry(slot, stream, last):
+                return reason
+            raise RouterError(504, f"replica {replica.id} sent {reason}") from None
         try:
-            out_headers = _downstream_headers(resp, request_id, replica)
+            slot.outcome = classify(resp.status, None)
+            if self._retry(slot, stream, last, resp.status):
+                return f"answered {resp.status}"
+            out_headers = downstream_headers(resp, rid, replica)
             if stream and resp.content_type == "text/event-stream":
-                return await self._pass_stream(resp, replica, out_headers, replied, start)
+                return await self._pass_stream(resp, slot, out_headers, replied, start)
             try:
                 payload = await resp.read()
-            except _UNREACHABLE as exc:
-                return f"connection dropped mid-response ({type(exc).__name__})"
-            except TimeoutError:
-                raise RouterError(504, f"replica {replica.id} stalled mid-response") from None
+            except (*_UNREACHABLE, TimeoutError) as exc:
+                slot.outcome = classify(None, exc)
+                if self._retry(slot, stream, last):
+                    return f"connection dropped mid-response ({type(exc).__name__})"
+                raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
+                                  f"replica {replica.id} failed mid-response") from None
             out_headers.append((b"content-length", str(len(payload)).encode()))
             self._metrics.time_to_first_byte.labels(self.route).observe(time.perf_counter() - start)
             await replied.start(resp.status, out_headers)
@@ -246,18 +262,21 @@ class ProxyEndpoint:
             resp.close()  # closes the connection if unread: vLLM sees the disconnect and aborts
 
     async def _pass_stream(
-        self, resp: aiohttp.ClientResponse, replica: Replica, headers: list[tuple[bytes, bytes]],
-        replied: _ReplyTracker, start: float,
+        self, resp: aiohttp.ClientResponse, slot: Slot, headers: list[tuple[bytes, bytes]],
+        replied: ReplyTracker, start: float,
     ) -> int | str:
         """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
+        replica = slot.replica
         idle = self._config.stream_idle_timeout_s
         reader = resp.content
         try:
             async with asyncio.timeout(self._config.first_byte_timeout_s):
                 first = await reader.readany()
         except _UNREACHABLE as exc:
+            slot.outcome = Outcome.DISCONNECTED
             return f"stream dropped before its first chunk ({type(exc).__name__})"
         except TimeoutError:
+            slot.outcome = Outcome.TIMEOUT
             raise RouterError(504, f"replica {replica.id} sent no token within "
                                    f"{self._config.first_byte_timeout_s:g} s") from None
         self._metrics.time_to_first_byte.labels(self.route).observe(time.perf_counter() - start)
@@ -269,6 +288,7 @@ class ProxyEndpoint:
                 async with asyncio.timeout(idle):
                     chunk = await reader.readany()
         except (*_UNREACHABLE, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
             reason = (f"no data for {idle:g} s" if isinstance(exc, TimeoutError)
                       else "the replica closed the stream early")
             log.warning("stream from replica %s cut: %s", replica.id, reason)
@@ -277,87 +297,3 @@ class ProxyEndpoint:
             return resp.status
         await replied.body(b"", more=False)
         return resp.status
-
-
-class _ReplyTracker:
-    """Wraps ASGI `send` and remembers whether the response has started."""
-
-    __slots__ = ("_send", "finished", "started")
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-        self.finished = False
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def body(self, data: bytes, *, more: bool) -> None:
-        self.finished = not more
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
-
-
-def _watch_disconnect(
-    receive: Receive, task: asyncio.Task[Any] | None, replied: _ReplyTracker
-) -> asyncio.Task[None]:
-    """Cancel `task` if the client disconnects while its request is being served.
-
-    The server also reports `http.disconnect` once the response is complete;
-    that one must not cancel anything, hence the `finished` check.
-    """
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if task is not None and not replied.finished:
-                    task.cancel()
-                return
-
-    return asyncio.create_task(watch())
-
-
-async def _send_json_error(replied: _ReplyTracker, exc: RouterError, request_id: str) -> None:
-    body = error_body(exc.status, exc.message, param=exc.param)
-    await replied.start(exc.status, [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (REQUEST_ID_HEADER.encode(), request_id.encode()),
-    ])
-    await replied.body(body, more=False)
-
-
-def _request_id(scope: Scope) -> str:
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            text = value.decode("latin-1")
-            if 0 < len(text) <= 128 and text.isprintable():
-                return text
-            break
-    return uuid.uuid4().hex
-
-
-def _upstream_headers(scope: Scope, request_id: str, *, body_len: int) -> dict[str, str]:
-    headers = {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in scope["headers"]
-        if name not in _HOP_BY_HOP and name != b"x-request-id"
-    }
-    headers["x-request-id"] = request_id
-    return headers
-
-
-def _downstream_headers(
-    resp: aiohttp.ClientResponse, request_id: str, replica: Replica
-) -> list[tuple[bytes, bytes]]:
-    out = [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in resp.headers.items()
-        if name.lower() not in _HOP_BY_HOP_STR and name.lower() != REQUEST_ID_HEADER
-    ]
-    out.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
-    out.append((REPLICA_HEADER.encode(), replica.id.encode()))
-    if replica.weight_version is not None:
-        out.append((WEIGHT_VERSION_HEADER.encode(), replica.weight_version.encode("latin-1")))
-    return out

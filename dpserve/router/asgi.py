@@ -1,0 +1,122 @@
+"""Raw ASGI plumbing of the data plane: types, the reply tracker, the disconnect
+watcher and the header rules of a proxy hop.
+
+Raw ASGI rather than Starlette's Request/Response objects so a forwarded
+request costs as little as possible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+
+from dpserve.router.errors import RouterError, error_body
+from dpserve.router.pool import Replica
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+REQUEST_ID_HEADER = "x-request-id"
+REPLICA_HEADER = "x-dpserve-replica"
+WEIGHT_VERSION_HEADER = "x-dpserve-weight-version"
+
+# Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the
+# ones aiohttp/uvicorn recompute for us.
+_HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+})
+_HOP_BY_HOP_STR = frozenset(h.decode() for h in _HOP_BY_HOP) | {"date", "server"}
+
+
+class ReplyTracker:
+    """Wraps ASGI `send` and remembers whether the response has started."""
+
+    __slots__ = ("_send", "finished", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, *, more: bool) -> None:
+        self.finished = not more
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+def watch_disconnect(
+    receive: Receive, task: asyncio.Task[Any] | None, replied: ReplyTracker
+) -> asyncio.Task[None]:
+    """Cancel `task` if the client disconnects while its request is being served.
+
+    The server also reports `http.disconnect` once the response is complete;
+    that one must not cancel anything, hence the `finished` check.
+    """
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if task is not None and not replied.finished:
+                    task.cancel()
+                return
+
+    return asyncio.create_task(watch())
+
+
+async def send_json_error(replied: ReplyTracker, exc: RouterError, request_id: str,
+                          extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = error_body(exc.status, exc.message, param=exc.param)
+    await replied.start(exc.status, [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (REQUEST_ID_HEADER.encode(), request_id.encode()),
+        *(extra or []),
+    ])
+    await replied.body(body, more=False)
+
+
+def request_id(scope: Scope) -> str:
+    """The client's `X-Request-Id` when it is sane, else a new one."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= 128 and text.isprintable():
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+def upstream_headers(scope: Scope, request_id: str) -> dict[str, str]:
+    headers = {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in scope["headers"]
+        if name not in _HOP_BY_HOP and name != b"x-request-id"
+    }
+    headers["x-request-id"] = request_id
+    return headers
+
+
+def downstream_headers(
+    resp: aiohttp.ClientResponse, request_id: str, replica: Replica
+) -> list[tuple[bytes, bytes]]:
+    out = [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in resp.headers.items()
+        if name.lower() not in _HOP_BY_HOP_STR and name.lower() != REQUEST_ID_HEADER
+    ]
+    out.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+    out.append((REPLICA_HEADER.encode(), replica.id.encode()))
+    if replica.weight_version is not None:
+        out.append((WEIGHT_VERSION_HEADER.encode(), replica.weight_version.encode("latin-1")))
+    return out

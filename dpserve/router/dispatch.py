@@ -1,0 +1,131 @@
+"""Where a request goes next: the replicas that may take it, the policy's pick,
+the admission queue when every replica is full, and the per-replica breakers.
+
+The proxy asks :meth:`Dispatcher.choose` for a replica before each attempt and
+holds the returned :class:`Slot` while the attempt runs; the slot owns the
+in-flight count (through the pool's lease), the breaker permit and the wake-up
+of the admission queue, so no error path can leak any of them.
+
+A replica may take a request when it is ready, its breaker lets requests
+through, this request has not tried it yet, and it is under its in-flight cap.
+When replicas are ready but all at their cap, the request waits in the
+admission queue; when none is ready at all (or every breaker is open), it is
+refused at once with 503 — waiting would only hide an outage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from dpserve.config import RouterConfig
+from dpserve.router.admission import (
+    AdmissionQueue,
+    AdmissionRejected,
+    ewma,
+    free_slots,
+    retry_after_s,
+    under_cap,
+)
+from dpserve.router.breaker import CircuitBreaker, Outcome, Permit
+from dpserve.router.errors import RouterError
+from dpserve.router.policies import Policy, RequestInfo
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+
+
+class Unavailable(RouterError):
+    """No replica may take the request; carries the seconds for `Retry-After`."""
+
+    def __init__(self, status: int, message: str, *, retry_after_s: int) -> None:
+        super().__init__(status, message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class Slot:
+    """One attempt's hold on one replica. Record how it ended with `outcome`."""
+
+    replica: Replica
+    permit: Permit
+    outcome: Outcome = Outcome.ABORTED
+
+
+class Dispatcher:
+    def __init__(self, pool: ReplicaPool, policy: Policy, config: RouterConfig, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._config = config
+        self._clock = clock
+        self._cap = config.max_in_flight_per_replica or None
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._mean_service_s: float | None = None
+        self.queue = AdmissionQueue(max_waiting=config.queue_size,
+                                    timeout_s=config.queue_timeout_s)
+        pool.on_state_change(self._on_state_change)
+
+    def breaker(self, replica: Replica) -> CircuitBreaker:
+        b = self._breakers.get(replica.id)
+        if b is None:
+            b = self._breakers[replica.id] = CircuitBreaker(
+                failure_threshold=self._config.breaker_failures,
+                cooldown_s=self._config.breaker_cooldown_s)
+        return b
+
+    def _open_to(self, tried: Collection[str]) -> list[Replica]:
+        """Ready, breaker closed (or probing), not tried by this request; cap ignored."""
+        now = self._clock()
+        return [r for r in self._pool.ready()
+                if r.id not in tried and self.breaker(r).available(now)]
+
+    async def choose(self, request: RequestInfo, tried: Collection[str]) -> Slot:
+        """A slot on the replica this attempt should use; waits in the admission queue
+        while every open replica is at its cap. Raises :class:`Unavailable`."""
+        if self._cap is not None and not under_cap(self._open_to(tried), self._cap):
+            if not self._open_to(tried):
+                raise self._nothing_open(tried)
+            try:
+                await self.queue.acquire(lambda: free_slots(self._open_to(tried), self._cap))
+            except AdmissionRejected as exc:
+                slots = len(self._pool.ready()) * self._cap
+                raise Unavailable(429, f"{exc}; retry later", retry_after_s=retry_after_s(
+                    exc.waiting, slots=slots, mean_service_s=self._mean_service_s or 1.0,
+                )) from None
+        # No await from here on: the choice and the lease must see the same counts.
+        candidates = under_cap(self._open_to(tried), self._cap)
+        replica = self._policy.select(candidates, request) if candidates else None
+        permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
+        if replica is None or permit is None:
+            raise self._nothing_open(tried)
+        return Slot(replica, permit)
+
+    def _nothing_open(self, tried: Collection[str]) -> Unavailable:
+        if tried:
+            return Unavailable(502, "no other replica is available to retry on",
+                               retry_after_s=1)
+        if not self._pool.ready():
+            return Unavailable(503, "no replica is ready to serve requests; retry later",
+                               retry_after_s=5)
+        return Unavailable(503, "every ready replica is failing (circuit breakers open); "
+                           "retry later", retry_after_s=max(1, round(
+                               self._config.breaker_cooldown_s)))
+
+    @contextmanager
+    def hold(self, slot: Slot) -> Iterator[Slot]:
+        """Count the attempt in flight; on exit record its outcome and wake the queue."""
+        start = self._clock()
+        try:
+            with self._pool.lease(slot.replica):
+                yield slot
+        finally:
+            now = self._clock()
+            self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
+            if slot.outcome is Outcome.SUCCESS:
+                self._mean_service_s = ewma(self._mean_service_s, now - start)
+            self.queue.notify()
+
+    def _on_state_change(self, replica: Replica, old: ReplicaState, new: ReplicaState) -> None:
+        if new is ReplicaState.READY:
+            self.queue.notify()
