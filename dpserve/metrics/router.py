@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,6 +22,23 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+# Time to first token: SLOs sit between 100 ms and a few seconds, so the buckets are
+# dense there (a p99 read from these is off by at most one bucket's width).
+FIRST_BYTE_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+    5.0, 10.0, 30.0, 60.0,
+)
+# Waiting for a free replica: zero when the fleet keeps up, seconds when it does not.
+QUEUE_WAIT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# A replica's hot-load takes seconds; a rolling deploy over a fleet, minutes.
+DEPLOY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
+
+BREAKER_STATES = ("closed", "open", "half_open")
+"""Values of `state` on dpserve_replica_breaker_state."""
+DEPLOY_OUTCOMES = ("succeeded", "failed", "rolled_back")
+"""Values of `outcome` on the deploy and reload counters."""
 
 
 def status_class(status: int) -> str:
@@ -52,7 +69,7 @@ class RouterMetrics:
             "Time from receiving a request to sending the first byte of its response body "
             "(for streams: roughly time to first token).",
             ["route"],
-            buckets=LATENCY_BUCKETS,
+            buckets=FIRST_BYTE_BUCKETS,
             registry=self.registry,
         )
         self.retries = Counter(
@@ -80,10 +97,79 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+        # Queueing, health, circuit breaking, rolling deploys (all labels bounded:
+        # route templates, replica ids, BREAKER_STATES, DEPLOY_OUTCOMES).
+        self.queue_depth = Gauge(
+            "dpserve_queue_depth",
+            "Requests waiting in the router for a replica to take them.",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "dpserve_queue_wait_seconds",
+            "Time a request waited in the router before a replica was chosen for it.",
+            ["route"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.health_check_failures = Counter(
+            "dpserve_health_check_failures",
+            "Health checks of a replica that failed (timeout, error, or not 200).",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.breaker_state = Gauge(
+            "dpserve_replica_breaker_state",
+            "1 for the circuit-breaker state each replica is in, 0 for the others "
+            f"({', '.join(BREAKER_STATES)}).",
+            ["replica", "state"],
+            registry=self.registry,
+        )
+        self.deploys = Counter(
+            "dpserve_deploys",
+            f"Rolling deploys of new weights, by outcome ({', '.join(DEPLOY_OUTCOMES)}).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in DEPLOY_OUTCOMES:  # from 0, so increase() sees the first failure
+            self.deploys.labels(outcome)
+        self.deploy_duration = Histogram(
+            "dpserve_deploy_duration_seconds",
+            "Time a rolling deploy took over the whole fleet, whatever its outcome.",
+            buckets=DEPLOY_BUCKETS,
+            registry=self.registry,
+        )
+        self.replica_reloads = Counter(
+            "dpserve_replica_reloads",
+            "Weight hot-loads of one replica (pause, reload, reset cache, canary, resume), "
+            "by outcome.",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
+        self.replica_reload_duration = Histogram(
+            "dpserve_replica_reload_duration_seconds",
+            "Time one replica spent out of rotation for a hot-load.",
+            buckets=DEPLOY_BUCKETS,
+            registry=self.registry,
+        )
+        self.engine_scrape_errors = Counter(
+            "dpserve_engine_scrape_errors",
+            "Replica /metrics fetches that failed while serving /metrics/engines; that "
+            "replica's series were left out of the answer.",
+            ["replica"],
+            registry=self.registry,
+        )
+
         self.registry.register(_PoolCollector(pool))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def set_breaker_state(self, replica: str, state: str) -> None:
+        """Mark `state` (one of BREAKER_STATES) as the replica's breaker state."""
+        if state not in BREAKER_STATES:
+            raise ValueError(f"breaker state {state!r} is not one of {BREAKER_STATES}")
+        for s in BREAKER_STATES:
+            self.breaker_state.labels(replica, s).set(1.0 if s == state else 0.0)
 
 
 class _PoolCollector(Collector):
