@@ -20,6 +20,8 @@ from pathlib import Path
 import uvicorn
 
 from dpserve.config import RouterConfig, ServeConfig
+from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
+from dpserve.metrics.process import ProcessCollector, replica_cores
 from dpserve.replicas.launcher import (
     free_port,
     plan_replicas,
@@ -131,6 +133,13 @@ async def run_serve(config: ServeConfig) -> int:
     sock = bind_socket(config.router.host, config.router.port)
     server = _uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    # Read at scrape time: GPUs through NVML where there are any, else the replicas'
+    # processes, so one dashboard serves GPU and CPU fleets.
+    devices = [(s.id, s.device) for s in specs]
+    gpus = GpuCollector.open(load_nvml(), replicas=lambda: gpu_replicas(devices))
+    router.metrics.registry.register(
+        gpus if gpus is not None else ProcessCollector(
+            lambda: supervisor.pids, replica_cores(devices, default=len(usable_cores()))))
     log.info("starting %d replica(s) of %s; logs in %s", len(specs), config.model, run_dir)
     try:
         # Router first: /health and /ready answer (503 until a replica is up) while
@@ -162,6 +171,8 @@ async def run_serve(config: ServeConfig) -> int:
             with contextlib.suppress(Exception):
                 await serving
         await supervisor.stop()
+        if gpus is not None:
+            gpus.close()
         signals.close()
         log.info("stopped")
 

@@ -110,7 +110,10 @@ def plan_replicas(
             )
         devices = use_gpus[: cfg.replicas] if cfg.replicas else use_gpus
         slots: list[tuple[str, dict[str, str]]] = [
-            (f"gpu:{g}", {"CUDA_VISIBLE_DEVICES": str(g)}) for g in devices
+            # PCI bus order: CUDA then numbers GPUs as nvidia-smi and NVML do, so
+            # the GPU metrics name the right replica.
+            (f"gpu:{g}", {"CUDA_VISIBLE_DEVICES": str(g), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+            for g in devices
         ]
     else:
         n = cfg.replicas or DEFAULT_CPU_REPLICAS
