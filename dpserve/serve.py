@@ -136,9 +136,9 @@ async def run_serve(config: ServeConfig) -> int:
     # Read at scrape time: GPUs through NVML where there are any, else the replicas'
     # processes, so one dashboard serves GPU and CPU fleets.
     devices = [(s.id, s.device) for s in specs]
-    gpus = GpuCollector.open(load_nvml(), replicas=lambda: gpu_replicas(devices))
+    gpu_metrics = GpuCollector.open(load_nvml(), replicas=lambda: gpu_replicas(devices))
     router.metrics.registry.register(
-        gpus if gpus is not None else ProcessCollector(
+        gpu_metrics if gpu_metrics is not None else ProcessCollector(
             lambda: supervisor.pids, replica_cores(devices, default=len(usable_cores()))))
     log.info("starting %d replica(s) of %s; logs in %s", len(specs), config.model, run_dir)
     try:
@@ -171,8 +171,8 @@ async def run_serve(config: ServeConfig) -> int:
             with contextlib.suppress(Exception):
                 await serving
         await supervisor.stop()
-        if gpus is not None:
-            gpus.close()
+        if gpu_metrics is not None:
+            gpu_metrics.close()
         signals.close()
         log.info("stopped")
 
