@@ -1,7 +1,8 @@
 """Fake replicas for the cases a real vLLM cannot show on cue.
 
 `FakeReplica` is an in-process aiohttp server that speaks just enough of
-vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and can be told
+vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and of its
+Prometheus `/metrics` (a few `vllm:` series, vLLM's names and labels) and can be told
 to misbehave: refuse work with an error, drop the connection before answering,
 cut a stream halfway, or stream slowly. Every test that uses it says so by
 name; the real-vLLM behaviour is covered in tests/integration.
@@ -19,6 +20,25 @@ from multidict import CIMultiDict
 MODEL = "fake-model"
 
 
+def fake_engine_metrics(running: int, served: int) -> str:
+    """A small exposition shaped like vLLM 0.32's: a gauge, a counter, a histogram."""
+    labels = f'engine="0",model_name="{MODEL}"'
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {running:.1f}\n"
+        "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+        "# TYPE vllm:request_success_total counter\n"
+        f'vllm:request_success_total{{{labels},finished_reason="stop"}} {served:.1f}\n'
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n"
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        f'vllm:time_to_first_token_seconds_bucket{{{labels},le="0.1"}} {served:.1f}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {served:.1f}\n'
+        f"vllm:time_to_first_token_seconds_count{{{labels}}} {served:.1f}\n"
+        f"vllm:time_to_first_token_seconds_sum{{{labels}}} {0.01 * served:.2f}\n"
+    )
+
+
 @dataclass
 class FakeReplica:
     name: str
@@ -33,6 +53,10 @@ class FakeReplica:
     open_streams: int = 0
     closed_streams: int = 0
     healthy: bool = True
+    metrics: str | None = None
+    """Served at /metrics as is; None: `fake_engine_metrics` of this replica's counts."""
+    serve_metrics: bool = True
+    """False: /metrics answers 404, like a server started without metrics."""
     _runner: web.AppRunner | None = None
     port: int = 0
 
@@ -44,6 +68,7 @@ class FakeReplica:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/collective_rpc",
                      "/pause", "/sleep", "/reset_prefix_cache"):
             app.router.add_post(path, self._generate)
@@ -61,6 +86,13 @@ class FakeReplica:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.serve_metrics:
+            raise web.HTTPNotFound
+        text = self.metrics if self.metrics is not None else fake_engine_metrics(
+            self.open_streams, len(self.requests))
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dpserve.config import RouterConfig
+from dpserve.metrics.federate import engine_metrics_endpoint
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
 from dpserve.router.admin import admin_routes
 from dpserve.router.auth import Authenticate
@@ -122,6 +123,8 @@ def build_app(router: Router) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics/engines", engine_metrics_endpoint(router.pool, router.metrics),
+              methods=["GET"]),
         *admin_routes(router),
     ]
     for path, method, has_body in FORWARDED_ROUTES:

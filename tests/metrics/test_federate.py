@@ -1,0 +1,109 @@
+"""/metrics/engines: the replicas' own metrics merged, each sample labelled with its replica."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpserve.metrics.federate import label_sample, merge_expositions
+from dpserve.replicas.launcher import free_port
+from tests.conftest import running_router
+
+VLLM_LIKE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 3.0
+# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 12.5
+"""
+
+
+def test_a_label_less_sample_gets_a_label_set():
+    assert label_sample("process_open_fds 12.0", "r0") == 'process_open_fds{replica="r0"} 12.0'
+
+
+def test_the_replica_label_goes_first_and_the_value_and_timestamp_stay():
+    assert (label_sample('x_total{a="1",b="2"} 3.0 1700000000000', "r1")
+            == 'x_total{replica="r1",a="1",b="2"} 3.0 1700000000000')
+
+
+def test_braces_commas_and_escaped_quotes_inside_label_values_are_left_alone():
+    line = r'x{path="/a}b,c",q="say \"hi\" {x}"} 1'
+    assert label_sample(line, "r0") == r'x{replica="r0",path="/a}b,c",q="say \"hi\" {x}"} 1'
+
+
+def test_an_existing_replica_label_is_kept_as_exported_replica():
+    assert (label_sample('x{a="1",replica="other"} 1', "r0")
+            == 'x{replica="r0",a="1",exported_replica="other"} 1')
+    # a value that merely contains `replica=` is no clash
+    assert label_sample('x{a="replica="} 1', "r0") == 'x{replica="r0",a="replica="} 1'
+
+
+def test_the_replica_id_is_escaped():
+    assert label_sample("x 1", 'a"b\\c') == 'x{replica="a\\"b\\\\c"} 1'
+
+
+def test_merging_keeps_one_help_and_type_per_family_with_every_replica_samples():
+    merged = merge_expositions([("r0", VLLM_LIKE), ("r1", VLLM_LIKE)])
+    assert merged.count("# TYPE vllm:e2e_request_latency_seconds histogram") == 1
+    assert merged.count("# HELP vllm:num_requests_running ") == 1
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    hist = families["vllm:e2e_request_latency_seconds"]
+    assert hist.type == "histogram"
+    assert {s.labels["replica"] for s in hist.samples} == {"r0", "r1"}
+    assert len(hist.samples) == 8
+    running = families["vllm:num_requests_running"]
+    assert [(s.labels["replica"], s.value) for s in running.samples] == [("r0", 2.0), ("r1", 2.0)]
+    cpu = families["process_cpu_seconds"]
+    assert {s.labels["replica"] for s in cpu.samples} == {"r0", "r1"}
+
+
+def test_a_family_only_one_replica_has_is_kept_and_untyped_samples_stand_alone():
+    merged = merge_expositions([("r0", VLLM_LIKE), ("r1", "lonely 1\n# a comment\n\n")])
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert [s.labels for s in families["lonely"].samples] == [{"replica": "r1"}]
+    assert "# a comment" not in merged
+    assert merge_expositions([]) == ""
+
+
+async def test_engine_metrics_of_every_replica_are_served_with_a_replica_label(fake_replicas):
+    a = await fake_replicas("a")
+    b = await fake_replicas("b")
+    async with running_router([a.url, b.url]) as (base, _), httpx.AsyncClient() as c:
+        await c.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "hi"})
+        resp = await c.get(base + "/metrics/engines")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    served = {s.labels["replica"]: s.value for s in families["vllm:request_success"].samples}
+    assert served.keys() == {"r0", "r1"}
+    assert sum(served.values()) == 1.0
+
+
+async def test_a_replica_that_cannot_be_scraped_is_left_out_and_counted(fake_replicas):
+    a = await fake_replicas("a")
+    b = await fake_replicas("b", serve_metrics=False)
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    async with running_router([a.url, b.url, unreachable]) as (base, _), \
+            httpx.AsyncClient() as c:
+        engines = (await c.get(base + "/metrics/engines")).text
+        router = (await c.get(base + "/metrics")).text
+    assert 'replica="r0"' in engines
+    assert 'replica="r1"' not in engines and 'replica="r2"' not in engines
+    assert 'dpserve_engine_scrape_errors_total{replica="r1"} 1.0' in router
+    assert 'dpserve_engine_scrape_errors_total{replica="r2"} 1.0' in router
+
+
+async def test_engine_metrics_need_no_api_key(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url], api_keys=["secret"]) as (base, _), \
+            httpx.AsyncClient() as c:
+        assert (await c.get(base + "/metrics/engines")).status_code == 200
+        assert (await c.get(base + "/v1/models")).status_code == 401
