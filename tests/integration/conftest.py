@@ -27,7 +27,10 @@ _STARTED = re.compile(r"replica (r\d+): started pid (\d+) on \S+, port (\d+)")
 
 def offline_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            # The tiny model answers in well under a second: a replica silent for 20 s
+            # is frozen, and the fault tests need not wait the 600 s default.
+            "DPSERVE_FIRST_BYTE_TIMEOUT_S": "20"}
 
 
 @dataclass

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 
 import httpx
 import openai
@@ -125,8 +126,10 @@ def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
     # The client is gone: vLLM must abort, long before 900 tokens could be made.
     poll(lambda: sum(replica_metric(p, running) for p in ports) == 0, 15,
          "the replica's running-request count to fall back to 0")
-    metrics = httpx.get(deployment.base_url + "/metrics").text
-    assert 'dpserve_client_disconnects_total{route="/v1/completions"}' in metrics
+    # The router counts the request as abandoned by its client (not as served).
+    poll(lambda: 'dpserve_client_disconnects_total{route="/v1/completions"}'
+         in httpx.get(deployment.base_url + "/metrics").text, 15,
+         "the router to count the client's disconnect")
 
 
 def test_router_metrics_describe_the_replicas(deployment):
@@ -159,18 +162,89 @@ def test_loadtest_measures_the_deployment(deployment, tiny_model, tmp_path):
     assert sum(r["completed"] for r in per_replica.values()) == 8
 
 
-def test_a_killed_replica_is_routed_around_and_restarted(deployment):
+class BackgroundLoad:
+    """Non-streaming completions from a few threads until stopped (bounded in count)."""
+
+    def __init__(self, base_url: str, workers: int = 3, max_each: int = 200) -> None:
+        self.base_url = base_url
+        self.results: list[tuple[int, str]] = []  # (status, replica or error text)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i, max_each), daemon=True)
+                         for i in range(workers)]
+
+    def __enter__(self) -> BackgroundLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+    def _run(self, worker: int, max_each: int) -> None:
+        with httpx.Client(timeout=120) as h:
+            for i in range(max_each):
+                if self._stop.is_set():
+                    return
+                r = h.post(self.base_url + "/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": f"load {worker}.{i}", "max_tokens": 8})
+                self.results.append((r.status_code, r.headers.get("x-dpserve-replica", r.text)))
+
+    def served_by(self, replica: str) -> int:
+        return sum(1 for status, who in self.results if status == 200 and who == replica)
+
+    def failures(self) -> list[tuple[int, str]]:
+        return [(status, who) for status, who in self.results if status != 200]
+
+
+def replica_state(d: Deployment, replica: str) -> str:
+    listing = httpx.get(d.base_url + "/admin/replicas", timeout=10).json()["replicas"]
+    return next(r["state"] for r in listing if r["id"] == replica)
+
+
+def test_a_frozen_replica_is_taken_out_and_its_stream_times_out(deployment):
+    """SIGSTOP keeps r0's sockets open but answers nothing: only timeouts can tell."""
+    admin = deployment.base_url + "/admin/replicas/"
+    pid, _ = deployment.replicas()["r0"]
+    httpx.post(admin + "r1/drain", timeout=10).raise_for_status()  # the stream must go to r0
+    os.killpg(pid, signal.SIGSTOP)
+    stream: dict[str, object] = {}
+
+    def send_stream() -> None:
+        with httpx.Client(timeout=120) as h:
+            r = h.post(deployment.base_url + "/v1/completions", json={
+                "model": MODEL_NAME, "prompt": "frozen", "max_tokens": 8, "stream": True})
+            stream.update(status=r.status_code, body=r.json())
+
+    streamer = threading.Thread(target=send_stream, daemon=True)
+    try:
+        streamer.start()
+        poll(lambda: replica_state(deployment, "r0") == "down", 30,
+             "the health checks to take r0 out")
+        httpx.post(admin + "r1/undrain", timeout=10).raise_for_status()
+        with BackgroundLoad(deployment.base_url, workers=2) as load:
+            poll(lambda: load.served_by("r1") >= 6, 120, "requests to keep flowing to r1")
+        streamer.join(timeout=120)
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+        httpx.post(admin + "r1/undrain", timeout=10)
+    assert load.failures() == []
+    assert stream["status"] == 504, stream  # the first-byte timeout, never a hang
+    assert "r0" in stream["body"]["error"]["message"]
+    poll(lambda: replica_state(deployment, "r0") == "ready", 60, "r0 to come back")
+
+
+def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deployment):
     """Runs last in this module: it takes r0 away for the length of a vLLM restart."""
     old_pid, _ = deployment.replicas()["r0"]
-    os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
-    with httpx.Client(timeout=60) as h:
-        served = []
-        for i in range(6):
-            r = h.post(deployment.base_url + "/v1/completions", json={
-                "model": MODEL_NAME, "prompt": f"after the crash {i}", "max_tokens": 4})
-            assert r.status_code == 200, r.text
-            served.append(r.headers["x-dpserve-replica"])
-    assert served == ["r1"] * 6  # a request that found r0 dead was retried on r1
+    with BackgroundLoad(deployment.base_url) as load:
+        poll(lambda: load.served_by("r0") >= 3, 120, "load to reach r0")
+        os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
+        after_kill = len(load.results)
+        poll(lambda: len(load.results) >= after_kill + 9, 120, "requests after the kill")
+    assert load.failures() == []  # requests on r0 when it died were retried on r1
+    assert replica_state(deployment, "r0") in ("down", "starting")
     # SIGKILL is delivered at once, but tearing down a 3 GB process takes a moment.
     poll(lambda: processes_in_group(old_pid) == [], 30, "r0's processes to be gone")
 
