@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -71,6 +72,14 @@ class Router:
             raise RuntimeError("Router.start() has not been called")
         return self._health
 
+    def refresh_gauges(self) -> None:
+        """Gauges read at scrape time: breaker states and the admission queue's depth."""
+        now = time.monotonic()
+        for replica in self.pool:
+            state = self.dispatcher.breaker(replica).state(now)
+            self.metrics.set_breaker_state(replica.id, state.value)
+        self.metrics.queue_depth.set(self.dispatcher.queue.waiting)
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("Router.start() has not been called")
@@ -85,7 +94,9 @@ class Router:
             skip_auto_headers=("User-Agent",),
         )
         self._control = httpx.AsyncClient()
-        self._health = health = HealthChecker(self.pool, self.config, self._control)
+        failures = self.metrics.health_check_failures
+        self._health = health = HealthChecker(self.pool, self.config, self._control,
+                                              on_failure=lambda r: failures.labels(r.id).inc())
         await health.check_all()  # replicas already up are ready on the first request
         self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
         if self.config.policy == "engine-load":
@@ -117,6 +128,7 @@ def build_app(router: Router) -> Starlette:
                              "replicas_total": len(router.pool)})
 
     async def metrics(request: Request) -> Response:
+        router.refresh_gauges()
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     routes = [

@@ -66,6 +66,11 @@ class Dispatcher:
                                     timeout_s=config.queue_timeout_s)
         pool.on_state_change(self._on_state_change)
 
+    @property
+    def queueing(self) -> bool:
+        """Whether requests may wait here (a per-replica cap is set)."""
+        return self._cap is not None
+
     def breaker(self, replica: Replica) -> CircuitBreaker:
         b = self._breakers.get(replica.id)
         if b is None:

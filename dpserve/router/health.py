@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -28,10 +29,12 @@ log = logging.getLogger("dpserve.health")
 
 
 class HealthChecker:
-    def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient,
+                 *, on_failure: Callable[[Replica], None] | None = None) -> None:
         self._pool = pool
         self._config = config
         self._client = client
+        self._on_failure = on_failure
 
     async def run(self) -> None:
         """Check forever; cancel the task to stop."""
@@ -65,6 +68,8 @@ class HealthChecker:
     async def _record(self, replica: Replica, error: str | None) -> None:
         if replica.state not in CHECKED:  # the admin path took it while we probed
             return
+        if error is not None and self._on_failure is not None:
+            self._on_failure(replica)
         verdict = next_state(
             replica.state, error is None, replica.health_successes, replica.health_failures,
             down_after=self._config.unhealthy_threshold, up_after=self._config.healthy_threshold,

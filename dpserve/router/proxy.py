@@ -186,12 +186,17 @@ class ProxyEndpoint:
                 self._metrics.retries.labels(self.route).inc()
                 await asyncio.sleep(backoff(attempt - 1, base=self._config.retry_backoff_s,
                                             cap=self._config.retry_backoff_max_s))
+            waited_from = time.perf_counter()
             try:
                 slot = await self._dispatch.choose(info, tried)
             except Unavailable:
                 if not tried:
                     raise
                 break
+            finally:
+                if self._dispatch.queueing:
+                    self._metrics.queue_wait.labels(self.route).observe(
+                        time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
             with self._dispatch.hold(slot):
                 result = await self._attempt(slot, scope["method"], url_tail, body, headers,

@@ -65,6 +65,9 @@ async def test_5xx_opens_the_breaker_and_a_probe_closes_it_once_the_replica_reco
         for _ in range(6):  # round-robin: 3 of them reach the flaky replica
             await c.post(base + "/v1/completions", json=BODY)
         assert breaker.state(time.monotonic()) is BreakerState.OPEN
+        metrics = (await c.get(base + "/metrics")).text
+        assert 'dpserve_replica_breaker_state{replica="r0",state="open"} 1.0' in metrics
+        assert 'dpserve_replica_breaker_state{replica="r1",state="closed"} 1.0' in metrics
         seen = len(flaky.requests)
         served = [(await c.post(base + "/v1/completions", json=BODY)) for _ in range(4)]
         assert len(flaky.requests) == seen  # open: nothing sent to it
@@ -114,8 +117,11 @@ async def test_full_replicas_queue_requests_then_refuse_with_retry_after(fake_re
         await wait_until(lambda: router.dispatcher.queue.waiting == 1, "the second to queue")
         refused = await c.post(base + "/v1/completions", json=stream)
         assert slow.open_streams == 1  # the cap holds: one at a time on the replica
+        assert "dpserve_queue_depth 1.0" in (await c.get(base + "/metrics")).text
         done = await asyncio.gather(first, second)
+        metrics = (await c.get(base + "/metrics")).text
     assert refused.status_code == 429
+    assert 'dpserve_queue_wait_seconds_count{route="/v1/completions"} 3.0' in metrics
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "TooManyRequestsError"
     assert [d.status_code for d in done] == [200, 200]
@@ -140,8 +146,10 @@ async def test_no_ready_replica_is_a_503_with_retry_after(fake_replicas):
     down = await fake_replicas("down", healthy=False)
     async with running_router([down.url]) as (base, _), httpx.AsyncClient() as c:
         r = await c.post(base + "/v1/completions", json=BODY)
+        metrics = (await c.get(base + "/metrics")).text
     assert r.status_code == 503 and "retry-after" in r.headers
     assert down.requests == []
+    assert 'dpserve_health_check_failures_total{replica="r0"}' in metrics
 
 
 async def test_session_affinity_keeps_a_session_on_one_replica(fake_replicas):
