@@ -159,6 +159,9 @@ class ProxyEndpoint:
         model = payload.get("model")
         if model is not None and not isinstance(model, str):
             raise RouterError(400, "'model' must be a string", param="model")
+        stream = payload.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise RouterError(400, "'stream' must be a boolean", param="stream")
         known = self._pool.served_models()
         if model is not None and known and model not in known:
             raise RouterError(404, f"The model `{model}` does not exist.", param="model")
@@ -168,7 +171,7 @@ class ProxyEndpoint:
             prefix=(prompt_prefix(payload, self._config.prefix_chars)
                     if self._wants_prefix else None),
         )
-        return body, info, payload.get("stream") is True
+        return body, info, stream is True
 
     async def _forward(
         self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, rid: str,

@@ -84,6 +84,7 @@ async def test_wrong_method_is_405_in_the_error_envelope(fake_replicas):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (b'{"model": 7}', 400, "'model' must be a string"),
+    (b'{"model": "fake-model", "prompt": "x", "stream": "yes"}', 400, "'stream' must be a boolean"),
     (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "`nope` does not exist"),
 ])
 async def test_bad_requests_get_the_openai_error_envelope(fake_replicas, body, status, fragment):
@@ -296,3 +297,34 @@ async def test_the_weight_version_of_the_serving_replica_is_named_in_a_header(fa
     assert "x-dpserve-weight-version" not in before.headers
     assert after.headers["x-dpserve-weight-version"] == "step-000120"
     assert streamed.headers["x-dpserve-weight-version"] == "step-000120"
+
+
+async def test_the_router_keeps_serving_after_a_barrage_of_bad_requests(fake_replicas):
+    a = await fake_replicas("a")
+    key, admin_key = "client-key-123", "admin-key-0123456789"
+    good = {"authorization": f"Bearer {key}"}
+    bad_calls = [
+        ("POST", "/v1/completions", b"{not json", good, 400),
+        ("POST", "/v1/chat/completions", b"[]", good, 400),
+        ("POST", "/v1/completions", b'{"model": ["x"]}', good, 400),
+        ("POST", "/v1/completions", b'{"model": "fake-model", "stream": 1}', good, 400),
+        ("POST", "/v1/completions", b'{"model": "other", "prompt": "x"}', good, 404),
+        ("POST", "/v1/completions", b"x" * 5000, good, 413),
+        ("POST", "/v1/completions", json.dumps(BODY).encode(), {}, 401),
+        ("POST", "/v1/completions", json.dumps(BODY).encode(),
+         {"authorization": "Bearer wrong"}, 401),
+        ("GET", "/admin/replicas", b"", good, 401),
+        ("POST", "/collective_rpc", b"{}", good, 404),
+        ("GET", "/v1/completions", b"", good, 405),
+    ]
+    async with (running_router([a.url], api_keys=[key], admin_key=admin_key,
+                               max_body_bytes=4096) as (base, _), httpx.AsyncClient() as c):
+        for method, path, body, headers, status in bad_calls:
+            r = await c.request(method, base + path, content=body,
+                                headers={"content-type": "application/json", **headers})
+            assert r.status_code == status, (path, body[:40], r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+        after = await c.post(base + "/v1/completions", json=BODY, headers=good)
+    assert after.status_code == 200
+    assert len(a.requests) == 1  # only the good request ever reached the replica
