@@ -6,7 +6,8 @@
 Every SimConfig field is a flag (`--max-num-seqs`, `--prefill-per-token-s`, ...);
 flags override the YAML file, which overrides the defaults. Put a router in front:
 
-    dpserve router $(for u in $(cat urls.txt); do echo --replica $u; done)
+    python -m dpserve.sim --replicas 8 > urls.txt &
+    dpserve router $(sed 's/^/--replica /' urls.txt)
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ The page carries the series routers and dashboards read from a real vLLM
 (0.32): the scheduler gauges, KV-cache usage, prefix-cache queries and hits in
 tokens, token and request counters and the latency histograms, labelled
 ``model_name`` and ``engine`` as vLLM labels them. One series is the
-simulator's own, `dpserve_sim_step_lateness_seconds`: how late the event loop
-woke the engine after each step's deadline, the check that the simulation is
-not distorted by the machine running it.
+simulator's own, `dpserve_sim_step_timing_error_seconds`: how far the event
+loop missed each step's deadline, the check that the simulation is not
+distorted by the machine running it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-LATENESS_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+TIMING_ERROR_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 class Histogram:
@@ -83,7 +83,8 @@ class EngineStats:
     steps: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    lateness: Histogram = field(default_factory=lambda: Histogram(LATENESS_BUCKETS))
+    timing_error: Histogram = field(default_factory=lambda: Histogram(TIMING_ERROR_BUCKETS))
+    """How far each step's end missed its modelled deadline, early or late."""
 
 
 def render(engine: Engine) -> bytes:
@@ -144,10 +145,10 @@ class _Collector:
                         "Histogram of time to first token in seconds.", s.ttft)
         yield histogram("vllm:e2e_request_latency_seconds",
                         "Histogram of e2e request latency in seconds.", s.e2e)
-        lateness = HistogramMetricFamily(
-            "dpserve_sim_step_lateness_seconds",
-            "How late the simulator's event loop ended engine steps after their modelled "
-            "deadline; steady values above a millisecond mean the machine is too busy to "
+        error = HistogramMetricFamily(
+            "dpserve_sim_step_timing_error_seconds",
+            "How far the simulator's event loop missed engine steps' modelled deadlines, "
+            "early or late; values above a millisecond mean the machine is too busy to "
             "simulate this load faithfully.", labels=["model_name"])
-        lateness.add_metric([e.config.model], s.lateness.buckets(), s.lateness.sum)
-        yield lateness
+        error.add_metric([e.config.model], s.timing_error.buckets(), s.timing_error.sum)
+        yield error

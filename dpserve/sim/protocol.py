@@ -53,31 +53,37 @@ def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
     if body.get("n", 1) != 1:
         raise ProtocolError("the simulator serves n=1 only", param="n")
     ids = _chat_prompt(body.get("messages")) if kind == "chat" else _prompt(body.get("prompt"))
+    limit = config.max_model_len
     if not ids:
-        raise ProtocolError("The prompt cannot be empty.", param="prompt")
-    if len(ids) >= config.max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"your request has {len(ids)} input tokens. Please reduce the length of the input "
-            "messages.", param="prompt")
+        raise _invalid("Either prompt or prompt_embeds must be provided and non-empty.",
+                       "prompt")
+    if len(ids) >= limit:
+        raise _invalid(f"This model's maximum context length is {limit} tokens. However, your "
+                       f"prompt contains at least {len(ids)} input tokens, which exceeds this "
+                       "limit even without any output tokens. Please reduce the length of the "
+                       "input prompt.", "input_tokens", len(ids))
     max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     if max_tokens is None:
-        max_tokens = config.max_model_len - len(ids)
+        max_tokens = limit
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ProtocolError(f"max_tokens must be at least 1, got {max_tokens}.",
-                            param="max_tokens")
-    if len(ids) + max_tokens > config.max_model_len:
-        raise ProtocolError(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.", param="max_tokens")
+        raise _invalid(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
+                       max_tokens)
+    if max_tokens > limit:
+        raise _invalid(f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
+                       "Please request fewer output tokens.", "max_tokens", max_tokens)
+    # Like vLLM 0.32, a completion that would overrun the context is cut there.
+    max_tokens = min(max_tokens, limit - len(ids))
     options = body.get("stream_options") or {}
     stream = bool(body.get("stream", False))
     return GenerationRequest(kind, ids, max_tokens, stream,
                              stream and isinstance(options, dict)
                              and bool(options.get("include_usage")))
+
+
+def _invalid(message: str, param: str, value: Any = None) -> ProtocolError:
+    suffix = f" (parameter={param})" if value is None else f" (parameter={param}, value={value})"
+    return ProtocolError(message + suffix, param=param)
 
 
 def tokenize_body(body: Any) -> list[int]:
@@ -140,8 +146,7 @@ def full_response(req: GenerationRequest, rid: str, created: int, model: str,
                   text: str, completion_tokens: int, finish_reason: str) -> dict[str, Any]:
     if req.kind == "chat":
         choice: dict[str, Any] = {
-            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                    "tool_calls": []},
+            "index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
         obj = "chat.completion"
     else:

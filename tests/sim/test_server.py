@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from dpserve.sim import SimReplica, tokenizer
+from dpserve.sim.engine import TIMER_SLACK_S
 from tests.sim.conftest import FAST, TOLERANCE_S, scrape, wait_for
 
 
@@ -81,6 +82,13 @@ async def test_models_and_tokenize_agree_with_usage(client, replica):
     assert done.usage is not None and done.usage.prompt_tokens == counted == 8  # coun t thes e ...
 
 
+async def test_a_completion_that_would_overrun_the_context_is_cut_there(client):
+    done = await client.completions.create(model=FAST.model, prompt=list(range(4090)),
+                                           max_tokens=100)
+    assert done.usage is not None and done.usage.completion_tokens == 6
+    assert done.choices[0].finish_reason == "length"
+
+
 async def test_token_id_prompts_are_accepted(client):
     done = await client.completions.create(model=FAST.model, prompt=list(range(40)),
                                            max_tokens=2)
@@ -90,7 +98,8 @@ async def test_token_id_prompts_are_accepted(client):
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"model": "other", "prompt": "hi"}, 404, "model"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "hi " * 4000, "max_tokens": 200}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": "hi " * 5000, "max_tokens": 1}, 400, "input_tokens"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"prompt": "hi", "n": 2}, 400, "n"),
@@ -158,8 +167,9 @@ async def test_a_repeated_long_prefix_hits_the_cache_and_comes_back_sooner(repli
     assert m["vllm:prefix_cache_queries_total"] == tokenizer.count(
         f"{system} first question? {system} second question?")
     step_s, per_token_s = FAST.step_base_s, FAST.prefill_per_token_s
-    assert fresh >= fresh_engine == pytest.approx(step_s + 805 * per_token_s, abs=TOLERANCE_S)
-    assert cached >= cached_engine == pytest.approx(step_s + 5 * per_token_s, abs=TOLERANCE_S)
+    assert fresh_engine == pytest.approx(step_s + 805 * per_token_s, abs=TOLERANCE_S)
+    assert cached_engine == pytest.approx(step_s + 5 * per_token_s, abs=TOLERANCE_S)
+    assert fresh >= fresh_engine - TIMER_SLACK_S and cached >= cached_engine - TIMER_SLACK_S
 
 
 async def test_client_measured_ttft_grows_with_prompt_length_as_modelled(replica):
@@ -168,7 +178,7 @@ async def test_client_measured_ttft_grows_with_prompt_length_as_modelled(replica
         prompt = tokenizer.decode((tokens + i) % tokenizer.VOCAB_SIZE for i in range(tokens))
         measured.append(await first_token_after(replica.url, prompt))
         modelled = FAST.step_base_s + tokens * FAST.prefill_per_token_s
-        assert measured[-1] >= modelled
+        assert measured[-1] >= modelled - TIMER_SLACK_S  # the engine may wake that early
     assert measured[0] < measured[2]
     # the engine's own clock, which the client's adds only network and wake-up time to
     modelled_sum = 3 * FAST.step_base_s + 3100 * FAST.prefill_per_token_s
