@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from dpserve.sim import metrics, protocol
 from dpserve.sim.config import SimConfig
 from dpserve.sim.engine import Engine, SimSequence
 from dpserve.sim.faults import Fault
+
+log = logging.getLogger("dpserve.sim")
 
 SHUTDOWN_GRACE_S = 0.2
 """On stop, time open requests get before their handlers are cancelled."""
@@ -74,29 +77,40 @@ class SimReplica:
                                      shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         self._engine_task = asyncio.create_task(self.engine.run(), name=f"sim-engine-{self.index}")
+        self._engine_task.add_done_callback(self._engine_ended)
         try:
-            site = web.TCPSite(self._runner, "127.0.0.1", port)
-            await site.start()
+            await web.TCPSite(self._runner, "127.0.0.1", port).start()
         except BaseException:
             await self.stop()
             raise
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._runner.addresses[0][1]
         return self
+
+    def _engine_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            log.error("simulated engine %d died; /health now answers 500", self.index,
+                      exc_info=task.exception())
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        for seq in [*self.engine.running, *self.engine.waiting]:
+            self.engine.abort(seq)
+
+    @property
+    def engine_alive(self) -> bool:
+        return self._engine_task is not None and not self._engine_task.done()
 
     async def stop(self) -> None:
         """Close the port, end open requests, stop the engine. Idempotent."""
         self._stopping.set()
-        for seq in [*self.engine.running, *self.engine.waiting]:
-            self.engine.abort(seq)
+        self._abort_all()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         if self._engine_task is not None:
             self._engine_task.cancel()
-            try:
-                await self._engine_task
-            except asyncio.CancelledError:
-                pass
+            # a crash was logged when it happened
+            await asyncio.gather(self._engine_task, return_exceptions=True)
             self._engine_task = None
 
     # --- handlers ----------------------------------------------------------------------
@@ -113,6 +127,8 @@ class SimReplica:
             return await self._hang()
         if fault is not None and fault.mode == "error":
             return _error(fault.status, f"simulated failure of replica {self.index}")
+        if not self.engine_alive:
+            return _error(500, "the simulated engine is not running")
         try:
             req = protocol.parse(kind, await _json(request), self.config)
         except protocol.ProtocolError as exc:
@@ -124,8 +140,8 @@ class SimReplica:
         try:
             if req.stream:
                 return await self._stream(request, req, rid, seq)
-            if await seq.wait_beyond(req.max_tokens - 1) < req.max_tokens:
-                return _error(503, "the simulated replica is shutting down")  # aborted
+            if await seq.wait_beyond(req.max_tokens - 1) < req.max_tokens:  # aborted
+                return _error(503, "aborted: the simulated replica stopped or its engine died")
             text = protocol.output_text(req.prompt_ids, 0, seq.output_count)
             return web.json_response(protocol.full_response(
                 req, rid, int(time.time()), self.config.model, text, seq.output_count,
@@ -148,7 +164,7 @@ class SimReplica:
         sent = 0
         while sent < req.max_tokens:
             count = await seq.wait_beyond(sent)
-            if count == sent:  # aborted: the replica is stopping
+            if count == sent:  # aborted: the replica is stopping or its engine died
                 return resp
             if self._stalled(count):
                 count = max(sent, min(count, self._fault.stall_after))  # type: ignore[union-attr]
@@ -190,6 +206,8 @@ class SimReplica:
             "permission": []}]})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self.engine_alive:
+            return web.Response(status=500)  # as vLLM's /health when its engine core died
         return web.Response(status=self._fault.health_status if self._fault else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -185,6 +185,21 @@ async def test_client_measured_ttft_grows_with_prompt_length_as_modelled(replica
     assert replica.engine.stats.ttft.sum == pytest.approx(modelled_sum, abs=TOLERANCE_S)
 
 
+async def test_a_replica_whose_engine_died_fails_its_health_checks(replica, caplog):
+    def crash() -> None:
+        raise RuntimeError("a bug in the scheduler")
+
+    replica.engine._schedule = crash  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/v1/completions", json={"prompt": "hi"}) as resp:
+            assert resp.status == 503  # the request it was running is aborted, not hung
+        async with s.get(replica.url + "/health") as resp:
+            assert resp.status == 500
+        async with s.post(replica.url + "/v1/completions", json={"prompt": "hi"}) as resp:
+            assert resp.status == 500
+    assert "engine 0 died" in caplog.text
+
+
 async def test_an_unknown_body_shape_is_a_400(replica):
     async with aiohttp.ClientSession() as s, s.post(
             replica.url + "/v1/chat/completions", data=b"not json",
