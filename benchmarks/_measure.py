@@ -9,10 +9,11 @@ pacing case. Numbers come back as plain dataclasses (JSON-ready).
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class Env:
     vllm_router: str | None = None
     py_spy: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    load_before: float | None = None
+    """1-minute load average when the run started: other work on the machine skews it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +109,8 @@ class TargetResult:
     ``cN``, ``stream_c1``, ``stream_cN``."""
     paced: Pacing | None = None
     profile: dict[str, Any] | None = None
+    rounds: int = 1
+    """How many rounds the numbers are the median of (``--rounds``)."""
 
 
 def percentile_ms(values_ns: Sequence[int], q: float) -> float | None:
@@ -141,7 +146,10 @@ class Bench:
 
     # -- one target --------------------------------------------------------------
 
-    def run_target(self, name: str, upstreams: Sequence[str], paced: str | None) -> TargetResult:
+    def run_target(
+        self, name: str, upstreams: Sequence[str], paced: str | None, *, profile: bool = False
+    ) -> TargetResult:
+        """Every case against ``name``; with ``profile``, py-spy the dpserve router too."""
         args = self.args
         result = TargetResult(name=name)
         router = self._start_router(name, upstreams)
@@ -162,7 +170,7 @@ class Bench:
                 cases["stream_c1"] = self._load(router, meter, bases, stream=True, concurrency=1,
                                                 tool="aiohttp")
                 cases["stream_cN"] = self._load(router, meter, bases, stream=True, concurrency=c)
-            if name == "dpserve" and args.profile and self.env.py_spy and router:
+            if name == "dpserve" and profile and self.env.py_spy and router:
                 result.profile = self._profile(router, bases)
         finally:
             if router is not None:
@@ -298,6 +306,42 @@ class Bench:
         self.profile_text = render(summary)
         return {"speedscope": str(out), "collapsed": str(collapsed),
                 "req_per_s_under_profiler": stats.req_per_s, **as_json(summary)}
+
+
+def merge_rounds(rounds: Sequence[TargetResult]) -> TargetResult:
+    """One target's rounds as one result: the median of every number, counts summed.
+
+    A percentile becomes the median of the rounds' percentiles, which is what
+    interleaved rounds are for: a burst of other work on the machine spoils one
+    round, not the result.
+    """
+    first = rounds[0]
+    cases = {key: _merge([r.cases[key] for r in rounds if key in r.cases])
+             for key in first.cases}
+    paced = [r.paced for r in rounds if r.paced is not None]
+    ready = [r.ready_s for r in rounds if r.ready_s is not None]
+    return TargetResult(
+        name=first.name, argv=first.argv, ready_s=statistics.median(ready) if ready else None,
+        cases=cases, paced=_merge(paced) if paced else None,
+        profile=next((r.profile for r in rounds if r.profile), None), rounds=len(rounds),
+    )
+
+
+def _merge(items: Sequence[Any]) -> Any:
+    """Field by field over same-type dataclasses: counts summed, numbers' median, else first."""
+    merged: dict[str, Any] = {}
+    for f in fields(items[0]):
+        values = [getattr(item, f.name) for item in items]
+        numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if f.name in ("completed", "errors"):
+            merged[f.name] = sum(values)
+        elif f.name == "error_samples":
+            merged[f.name] = [e for v in values for e in v][:3]
+        elif numbers:  # None in a round where it could not be measured: left out
+            merged[f.name] = statistics.median(numbers)
+        else:
+            merged[f.name] = values[0]
+    return replace(items[0], **merged)
 
 
 def _cpu_us(meter: CpuMeter | None, before: float | None, done: int) -> float | None:

@@ -192,8 +192,9 @@ def print_report(args: argparse.Namespace, env: Env, results: dict[str, TargetRe
     cores = os.cpu_count() or 0
     upstream = "nginx " + env.versions.get("nginx", "") if env.nginx else "fixed_upstream.py"
     load = env.versions.get("wrk", "wrk") if env.wrk else "aiohttp client"
+    rounds = f"; median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     print(f"\nrouter overhead: {args.upstreams} fixed-response upstreams ({upstream}), "
-          f"load: {load}; {cores} cores, {env.placement.describe()}")
+          f"load: {load}; {cores} cores, {env.placement.describe()}{rounds}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in env.versions.items()))
     for name in names:
         r = results[name]
@@ -202,6 +203,11 @@ def print_report(args: argparse.Namespace, env: Env, results: dict[str, TargetRe
     if cores <= 2:
         print("on 2 cores the load generator and the upstreams share one core: absolute req/s "
               "are lower than on a big machine; compare routers with each other.")
+    before = env.load_before
+    if before is not None:
+        busy = before > 0.5 * cores
+        print(f"load average (1 min) before the run: {before:.2f}"
+              + (" - other work is running: latencies and req/s are unreliable" if busy else ""))
     print()
     print(render(table_rows(args, results), names))
     errors = [(n, k, s) for n in names for k, s in results[n].cases.items() if s.errors]

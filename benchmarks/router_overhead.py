@@ -49,6 +49,11 @@ vllm-router's thread pool sizes itself from the cores it may use, and both are
 compared per core, under the same placement. The direct target runs with the
 same placement (minus the router).
 
+**Rounds** (``--rounds N``): every target is measured N times, interleaved
+(direct, dpserve, vllm-router, direct, ...), and each number reported is the
+median over the rounds, so a burst of other work on the machine spoils one
+round rather than one target's column.
+
 **Profile** (``--profile``): one more c=C run against dpserve with py-spy
 attached (installed into the throwaway venv when absent), after the measured
 one so it does not slow the numbers; writes a speedscope file and collapsed
@@ -58,8 +63,8 @@ Every process runs in its own process group on 127.0.0.1 and free ports, and is
 stopped in ``finally`` (SIGTERM, then SIGKILL), on Ctrl-C and SIGTERM too. The
 script exits 0 when the run completed, whether or not a target was met.
 
-    python benchmarks/router_overhead.py [--duration 5] [--concurrency 32] [--json OUT]
-        [--profile] [--no-vllm-router] [--no-stream] [--no-pin]
+    python benchmarks/router_overhead.py [--duration 5] [--concurrency 32] [--rounds 1]
+        [--json OUT] [--profile] [--no-vllm-router] [--no-stream] [--no-pin] [--dpserve-ref REF]
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ from types import FrameType
 from typing import Any
 
 from _client import client_main
-from _measure import Bench, Env, Router, StartRouter, TargetResult
+from _measure import Bench, Env, Router, StartRouter, TargetResult, merge_rounds
 from _report import TARGETS, print_report, verdicts
 from _services import HOST, Service, free_ports, pin_self, plan_placement, start_service, stop_all
 from _tools import PY_SPY_SPEC, VLLM_ROUTER_SPEC, ensure_tool, vllm_router_version
@@ -105,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--duration", type=float, default=5.0, help="seconds per recorded wrk/throughput run")
+    add("--rounds", type=int, default=1,
+        help="measure every target this many times, interleaved; report the medians")
     add("--concurrency", type=int, default=32, help="concurrent connections, throughput cases")
     add("--requests", type=int, default=2000,
         help="recorded requests per target, aiohttp c=1 case (streaming: a quarter)")
@@ -134,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, metavar="OUT", help="also write every number here as JSON")
     add("--keep-logs", action="store_true", help="keep the temp dir with logs and configs")
     args = p.parse_args(argv)
-    for name in ("requests", "concurrency", "upstreams", "chunks", "paced_requests"):
+    for name in ("requests", "concurrency", "upstreams", "chunks", "paced_requests", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.duration < 1 or args.warmup < 0 or args.chunk_delay_ms <= 0:
@@ -291,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = True
     try:
         env = discover(args)
+        env.load_before = os.getloadavg()[0]
         pin_self(env.placement.load)
         client = ctx.Process(target=client_main, args=(child_conn, env.placement.load),
                              name="load-client", daemon=True)
@@ -299,18 +307,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench = Bench(args=args, env=env, conn=parent_conn, work_dir=work_dir,
                       services=services, start_router=router_starter(args, env, work_dir,
                                                                      services))
-        results: dict[str, TargetResult] = {}
-        for name in TARGETS:
-            if name == "vllm-router" and env.vllm_router is None:
-                continue
-            print(f"measuring {name} ...", flush=True)
-            results[name] = bench.run_target(name, upstreams, paced)
+        names = [n for n in TARGETS if n != "vllm-router" or env.vllm_router is not None]
+        rounds: dict[str, list[TargetResult]] = {n: [] for n in names}
+        for i in range(args.rounds):
+            for name in names:
+                of = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
+                print(f"measuring {name}{of} ...", flush=True)
+                rounds[name].append(bench.run_target(name, upstreams, paced,
+                                                     profile=args.profile and i == 0))
+        results = {name: merge_rounds(r) for name, r in rounds.items()}
 
         print_report(args, env, results)
         if bench.profile_text:
             print(f"\n{bench.profile_text}")
         if args.json:
-            _write_json(args, env, results)
+            _write_json(args, env, results, rounds)
         failed = False
         return 0
     except RuntimeError as exc:
@@ -334,14 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _write_json(args: argparse.Namespace, env: Env, results: dict[str, TargetResult]) -> None:
+def _write_json(
+    args: argparse.Namespace, env: Env, results: dict[str, TargetResult],
+    rounds: dict[str, list[TargetResult]],
+) -> None:
     payload = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cores": os.cpu_count(),
         "placement": env.placement.describe(),
         "versions": env.versions,
+        "load_average_1m_before": env.load_before,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "targets": {name: asdict(r) for name, r in results.items()},
+        "rounds": {name: [asdict(r) for r in rs] for name, rs in rounds.items()},
         "verdicts": verdicts(args, results),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
