@@ -204,10 +204,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, st: 
 
 
 async def _read_whole(resp: aiohttp.ClientResponse, record: RequestRecord, st: float) -> None:
-    body = json.loads(await resp.read())
+    raw = await resp.read()
     record.latency_s = time.perf_counter() - st
+    body = json.loads(raw)
     if "error" in body or not body.get("choices"):
-        _fail(record, "bad_response", _error_message(json.dumps(body).encode()))
+        _fail(record, "bad_response", _error_message(raw))
         return
     record.ok = True
     if usage := body.get("usage"):
