@@ -4,7 +4,8 @@ One `aiohttp.ClientSession` carries every request; its connector allows as
 many connections as the concurrency cap (unlimited without one), so a request
 never waits for a pooled connection behind the cap's back. The loop is bounded
 in count (one request per scheduled offset), in time (no request is sent after
-``duration_s``) and per request (``request_timeout_s``), so it always ends.
+``duration_s``; one due exactly then still is) and per request
+(``request_timeout_s``), so it always ends.
 
 With a concurrency cap, a request whose time has come waits for a free slot;
 its TTFT and latency are timed from when it is actually sent, and the wait is
@@ -95,14 +96,14 @@ async def _dispatch(session: aiohttp.ClientSession, plan: LoadPlan) -> RunOutcom
 
         try:
             for i, due in enumerate(plan.offsets):
-                if t0 + due >= deadline:
+                if t0 + due > deadline:
                     break
                 wait = t0 + due - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 if slots is not None:
                     await slots.acquire()
-                    if time.perf_counter() >= deadline:
+                    if time.perf_counter() > deadline:
                         slots.release()
                         break
                 record = RequestRecord(index=i, request_id=f"{plan.request_id_prefix}{i}",
