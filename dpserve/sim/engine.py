@@ -48,8 +48,9 @@ timeouts round up to whole milliseconds, so wake-ups land within about +-0.5 ms 
 the deadline instead of 0 to 1 ms after it. Not applied under uvloop, which rounds
 to the nearest millisecond already."""
 
-RESYNC_S = 0.1
-"""Lateness after which the engine gives up catching up and restarts its clock now."""
+RESYNC_S = 0.5
+"""Lateness after which the engine gives up catching up and restarts its clock now (as if
+the GPU had stalled) rather than run the missed steps back to back."""
 
 
 class SimSequence:
@@ -149,12 +150,12 @@ class Engine:
         """Step forever; cancel the task to stop."""
         uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
         slack = 0.0 if uvloop else TIMER_SLACK_S
-        clock = _now()
+        clock = 0.0
         while True:
-            if not self.running and not self.waiting:
-                self._work.clear()
-                await self._work.wait()
-                if not self.waiting:  # aborted before the engine woke
+            if not self.running:
+                if not self.waiting:
+                    self._work.clear()
+                    await self._work.wait()
                     continue
                 # An idle engine starts on a request the moment it arrives; how late the
                 # loop woke this task is the simulator's delay, not the model's.

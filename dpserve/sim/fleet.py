@@ -26,9 +26,11 @@ class Fleet:
     """Replicas started by `start()` (or `async with`) and all stopped by `stop()`."""
 
     def __init__(self, n: int | None = None, config: SimConfig | Sequence[SimConfig] | None = None,
-                 *, base_port: int = 0, control: bool = False) -> None:
+                 *, base_port: int = 0, control: bool = False, first_index: int = 0) -> None:
         """`n` replicas of `config` (default `SimConfig()`), or one per config in a list.
-        `control=True` adds the `/sim/fault` endpoint to each (see faults.py)."""
+        `control=True` adds the `/sim/fault` endpoint to each (see faults.py).
+        `first_index` numbers the replicas from there (seeds, response ids), for a fleet
+        split over processes."""
         if isinstance(config, Sequence):
             configs = list(config)
             if n is not None and n != len(configs):
@@ -43,7 +45,8 @@ class Fleet:
         for c in configs:
             validate(c)
         self.base_port = base_port
-        self.replicas = [SimReplica(c, index=i, control=control) for i, c in enumerate(configs)]
+        self.replicas = [SimReplica(c, index=first_index + i, control=control)
+                         for i, c in enumerate(configs)]
         self._started = False
 
     @property
