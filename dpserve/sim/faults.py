@@ -10,7 +10,7 @@ mode       what the generation endpoints (`/v1/completions`, `/v1/chat/completio
 =========  ==========================================================================
 none       serve normally (use with `health_status` for a replica that only fails
            its health checks)
-hang       read the request and never answer (the connection stays open)
+hang       accept the request and never answer (the connection stays open)
 stall      streams stop after `stall_after` tokens and stay open without another
            byte; non-streamed requests hang; the engine drops the stalled request
 error      answer `status` at once, in OpenAI's error envelope
