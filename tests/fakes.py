@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -57,6 +58,18 @@ class FakeReplica:
     """Served at /metrics as is; None: `fake_engine_metrics` of this replica's counts."""
     serve_metrics: bool = True
     """False: /metrics answers 404, like a server started without metrics."""
+    weights: str | None = None
+    """Path of the last `reload_weights` (None: the weights it started with)."""
+    weight_version: str = "default"
+    paused: bool = False
+    fail: dict[str, str] = field(default_factory=dict)
+    """Hot-load step (`pause`, `reload`, `reset_prefix_cache`, `resume`, `canary`,
+    `update_weight_version`) -> how it fails: `error` (500), `error_once`, or for the
+    canary `nan` (vLLM's 400 when logprobs are NaN). A canary (a request asking for
+    logprobs) fails only once weights were reloaded."""
+    dev_calls: list[str] = field(default_factory=list)
+    """Dev endpoint calls in order, as `path?query`."""
+    _unpaused: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
     port: int = 0
 
@@ -69,9 +82,9 @@ class FakeReplica:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/collective_rpc",
-                     "/pause", "/sleep", "/reset_prefix_cache"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             app.router.add_post(path, self._generate)
+        self._add_dev_endpoints(app)
         # Short shutdown: a "hang" handler must not hold the test for a minute.
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
@@ -97,10 +110,76 @@ class FakeReplica:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    # -- vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1), as a hot-load uses them ---------
+
+    def _add_dev_endpoints(self, app: web.Application) -> None:
+        self._unpaused.set()
+        for path, step in (("/pause", "pause"), ("/resume", "resume"), ("/sleep", "sleep"),
+                           ("/collective_rpc", "reload"),
+                           ("/reset_prefix_cache", "reset_prefix_cache"),
+                           ("/update_weight_version", "update_weight_version")):
+            app.router.add_post(path, self._dev_endpoint(step))
+        app.router.add_get("/weight_info", self._weight_info)
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    def _dev_endpoint(self, step: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            raw = await request.read()
+            body = json.loads(raw) if raw else {}
+            self.requests.append(body)  # anything that reached the replica
+            self.dev_calls.append(request.path_qs)
+            failure = self._failure(step)
+            if failure is not None:
+                return failure
+            if step == "pause":
+                self.paused = True
+                self._unpaused.clear()
+                return web.json_response({"status": "paused"})
+            if step == "resume":
+                self.paused = False
+                self._unpaused.set()
+                return web.json_response({"status": "resumed"})
+            if step == "reload":
+                self.weights = body["kwargs"]["weights_path"]
+                return web.json_response({"results": [None]})
+            if step == "reset_prefix_cache":
+                return web.json_response({"success": True})
+            if step == "update_weight_version":
+                self.weight_version = body["new_version"]
+                return web.json_response({"success": True, "new_version": body["new_version"]})
+            return web.json_response({})
+        return handle
+
+    def _failure(self, step: str) -> web.Response | None:
+        mode = self.fail.get(step)
+        if mode is None:
+            return None
+        if mode == "error_once":
+            del self.fail[step]
+        if mode == "nan":
+            message = "Out of range float values are not JSON compliant"
+            return web.json_response({"error": {"message": message, "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
+        return web.json_response({"error": f"fake {step} failure on {self.name}"}, status=500)
+
+    def _completion_choice(self, body: dict) -> dict:
+        choice = {"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}
+        if body.get("logprobs") is not None:
+            n = int(body.get("max_tokens") or 1)
+            choice |= {"finish_reason": "length",
+                       "logprobs": {"token_logprobs": [-1.5] * n, "tokens": ["x"] * n}}
+        return choice
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
         self.headers_seen.append(request.headers.copy())  # case-insensitive
+        await self._unpaused.wait()  # like pause(mode=keep): held, not failed
+        if (body.get("logprobs") is not None and self.weights is not None
+                and (failure := self._failure("canary"))):
+            return failure  # the new weights misbehave: only after a reload
         if self.mode in ("error400", "error500", "error503"):
             code = int(self.mode[-3:])
             return web.json_response(
@@ -116,7 +195,7 @@ class FakeReplica:
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
+                "choices": [self._completion_choice(body)],
             })
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
@@ -129,6 +208,7 @@ class FakeReplica:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
+                await self._unpaused.wait()
                 chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:

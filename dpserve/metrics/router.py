@@ -97,6 +97,7 @@ class RouterMetrics:
             ["replica"],
             registry=self.registry,
         )
+
         # Queueing, health, circuit breaking, rolling deploys (all labels bounded:
         # route templates, replica ids, BREAKER_STATES, DEPLOY_OUTCOMES).
         self.queue_depth = Gauge(
@@ -160,6 +161,7 @@ class RouterMetrics:
         )
 
         self.registry.register(_PoolCollector(pool))
+        self.registry.register(_WeightVersionCollector(pool))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -198,3 +200,22 @@ class _PoolCollector(Collector):
                 state.add_metric([r.id, s.value], 1.0 if r.state is s else 0.0)
         ready.add_metric([], len(self._pool.ready()))
         return [in_flight, state, ready]
+
+
+class _WeightVersionCollector(Collector):
+    """`dpserve_replica_weight_info{replica,version} 1`: which weights each replica serves,
+    read from the pool at scrape time. One series per replica (the old version's series
+    disappears when it changes), so the label stays bounded by the fleet size."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(
+            "dpserve_replica_weight_info",
+            "1 for the weight version each replica serves (`unknown` while it is not known).",
+            labels=["replica", "version"],
+        )
+        for r in self._pool:
+            info.add_metric([r.id, r.weight_version or "unknown"], 1.0)
+        return [info]

@@ -28,6 +28,8 @@ from starlette.routing import Route
 from dpserve.config import RouterConfig
 from dpserve.metrics.federate import engine_metrics_endpoint
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
+from dpserve.rollout.api import deploy_routes
+from dpserve.rollout.rollout import Rollout
 from dpserve.router.admin import admin_routes
 from dpserve.router.auth import Authenticate
 from dpserve.router.dispatch import Dispatcher
@@ -65,6 +67,8 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
+        self.rollout: Rollout | None = None
+        """Hot-loads of checkpoints (`/admin/deploy`); set by whoever knows the served model."""
 
     @property
     def health(self) -> HealthChecker:
@@ -138,6 +142,7 @@ def build_app(router: Router) -> Starlette:
         Route("/metrics/engines", engine_metrics_endpoint(router.pool, router.metrics),
               methods=["GET"]),
         *admin_routes(router),
+        *deploy_routes(router),
     ]
     for path, method, has_body in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(

@@ -1,0 +1,82 @@
+"""`/admin/deploy`: start a rolling hot-load and follow it.
+
+- `POST /admin/deploy` `{"checkpoint": "/abs/OUTPUT/step-000120", "batch": 1,
+  "canary_prompt": "...", "drain_wait_s": 0, "ready_timeout_s": 900}` validates
+  the checkpoint (answering 400/409/422 in the OpenAI error envelope, with no
+  replica touched), then answers 202 with the deploy's record while it rolls out
+  in the background. 409 while another deploy runs.
+- `GET /admin/deploy/{id}` — that deploy's record (state, per-replica phase, events).
+- `GET /admin/deploy` — the deploy in progress, else the last one.
+
+The checkpoint path is read on the router's machine (and loaded by the
+replicas), so it must be absolute; `dpserve deploy` resolves it. Access control
+is `/admin`'s (see dpserve.router.auth).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dpserve.rollout.rollout import DeployOptions
+from dpserve.rollout.validate import Refused
+from dpserve.router.errors import error_response
+
+if TYPE_CHECKING:
+    from dpserve.router.app import Router
+
+
+def deploy_routes(router: Router) -> list[Route]:
+    def unavailable() -> Response:
+        return error_response(503, "hot-loading is not set up on this router")
+
+    async def start(request: Request) -> Response:
+        rollout = router.rollout
+        if rollout is None:
+            return unavailable()
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            return error_response(400, "body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "body must be a JSON object")
+        checkpoint = body.get("checkpoint")
+        if not isinstance(checkpoint, str) or not checkpoint.startswith("/"):
+            return error_response(400, "checkpoint must be an absolute path to a checkpoint "
+                                       "directory", param="checkpoint")
+        try:
+            options = DeployOptions.from_json(body)
+            progress = await rollout.start(checkpoint, options)
+        except Refused as exc:
+            return error_response(exc.status, exc.message, param=exc.param)
+        return JSONResponse(progress.to_json(), status_code=202,
+                            headers={"location": f"/admin/deploy/{progress.id}"})
+
+    async def show(request: Request) -> Response:
+        rollout = router.rollout
+        if rollout is None:
+            return unavailable()
+        deploy_id = request.path_params["deploy_id"]
+        progress = rollout.get(deploy_id)
+        if progress is None:
+            return error_response(404, f"no deploy {deploy_id!r}", param="deploy_id")
+        return JSONResponse(progress.to_json())
+
+    async def latest(request: Request) -> Response:
+        rollout = router.rollout
+        if rollout is None:
+            return unavailable()
+        progress = rollout.latest()
+        if progress is None:
+            return error_response(404, "no deploy yet")
+        return JSONResponse(progress.to_json())
+
+    return [
+        Route("/admin/deploy", start, methods=["POST"]),
+        Route("/admin/deploy", latest, methods=["GET"]),
+        Route("/admin/deploy/{deploy_id}", show, methods=["GET"]),
+    ]

@@ -1,0 +1,154 @@
+"""The record of one deploy, as `GET /admin/deploy/{id}` shows it, and its options.
+
+A deploy goes `validating → rolling → succeeded`, or `→ rolling_back →
+rolled_back | failed` when a step fails (`failed`: the rollback could not put
+every replica back either), or straight to `refused` when the checkpoint does
+not pass validation (no replica was touched). Each replica goes through
+`pending → draining → reloading → canary → done`, or ends `skipped` (already
+serving the version), `restarting` (the supervisor starts it on the deployed
+weights), `failed`, or `rolled_back`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpserve.rollout.validate import Refused
+
+log = logging.getLogger("dpserve.rollout")
+
+DEFAULT_CANARY_PROMPT = "The quick brown fox"
+
+MAX_EVENTS = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeployOptions:
+    batch: int = 1
+    """Replicas reloaded at once; always fewer than all of them."""
+    canary_prompt: str = DEFAULT_CANARY_PROMPT
+    """Prompt of the greedy request each reloaded replica must answer sanely."""
+    drain_wait_s: float = 0.0
+    """Wait up to this long for a drained replica's in-flight requests to end before
+    pausing it (0: pause at once; frozen requests resume on the new weights)."""
+    ready_timeout_s: float = 900.0
+    """How long to wait for a replica that is not ready at its turn (router-only mode)."""
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> DeployOptions:
+        """Options from a request body; Refused(400) naming a bad field."""
+        values: dict[str, Any] = {}
+        for name, kind, low in (("batch", int, 1), ("drain_wait_s", float, 0.0),
+                                ("ready_timeout_s", float, 0.0)):
+            if body.get(name) is None:
+                continue
+            value = body[name]
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or (kind is int and not float(value).is_integer()) or value < low):
+                raise Refused(400, f"{name} must be a number >= {low}, got {value!r}",
+                              param=name)
+            values[name] = kind(value)
+        prompt = body.get("canary_prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise Refused(400, "canary_prompt must be a non-empty string",
+                              param="canary_prompt")
+            values["canary_prompt"] = prompt
+        return cls(**values)
+
+
+class DeployState(enum.StrEnum):
+    VALIDATING = "validating"
+    ROLLING = "rolling"
+    ROLLING_BACK = "rolling_back"
+    SUCCEEDED = "succeeded"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+    REFUSED = "refused"
+
+
+FINAL_STATES = frozenset({DeployState.SUCCEEDED, DeployState.ROLLED_BACK, DeployState.FAILED,
+                          DeployState.REFUSED})
+
+
+class Phase(enum.StrEnum):
+    PENDING = "pending"
+    DRAINING = "draining"
+    RELOADING = "reloading"
+    CANARY = "canary"
+    DONE = "done"
+    SKIPPED = "skipped"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"
+
+
+@dataclass
+class ReplicaProgress:
+    id: str
+    phase: Phase = Phase.PENDING
+    from_version: str | None = None
+    version: str | None = None
+    """What the replica serves after this deploy touched it (None: unknown)."""
+    seconds: float | None = None
+    """Time the replica spent out of rotation (drain to re-admission)."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """Seconds each hot-load step took (drain, pause, reload, ..., canary)."""
+    note: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "phase": self.phase.value, "from_version": self.from_version,
+                "version": self.version, "seconds": self.seconds, "steps": dict(self.steps),
+                "note": self.note, "error": self.error}
+
+
+@dataclass
+class DeployProgress:
+    id: str
+    checkpoint: str
+    options: dict[str, Any]
+    state: DeployState = DeployState.VALIDATING
+    version: str | None = None
+    previous_version: str | None = None
+    error: str | None = None
+    replicas: list[ReplicaProgress] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    _t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def replica(self, replica_id: str) -> ReplicaProgress:
+        return next(r for r in self.replicas if r.id == replica_id)
+
+    def event(self, message: str, *, level: int = logging.INFO) -> None:
+        """Note a step, in the record (bounded) and in the router's log."""
+        log.log(level, "deploy %s: %s", self.id, message)
+        if len(self.events) < MAX_EVENTS:
+            self.events.append(f"{time.monotonic() - self._t0:7.2f}s {message}")
+
+    def finish(self, state: DeployState, error: str | None = None) -> None:
+        self.state = state
+        if error is not None:
+            self.error = error
+        self.finished_at = time.time()
+        self.event(f"{state.value}" + (f": {error}" if error else ""),
+                   level=logging.INFO if state is DeployState.SUCCEEDED else logging.WARNING)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "checkpoint": self.checkpoint, "state": self.state.value,
+            "done": self.done, "version": self.version,
+            "previous_version": self.previous_version, "error": self.error,
+            "options": self.options, "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "replicas": [r.to_json() for r in self.replicas], "events": list(self.events),
+        }

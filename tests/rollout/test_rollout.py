@@ -1,0 +1,351 @@
+"""The rolling state machine and `/admin/deploy`, against FakeReplicas (tests/fakes.py):
+fakes because these cases need a replica whose reload or canary fails on cue. Real
+vLLM replicas are covered in tests/integration/test_deploy.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dpserve.rollout.deployed import Deployed, Weights, weights_for
+from dpserve.rollout.rollout import Rollout
+from dpserve.router.app import Router
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from tests.conftest import running_router
+from tests.fakes import MODEL, FakeReplica
+from tests.rollout.checkpoints import perturbed, write_variant
+
+HOT_LOAD = ["/pause?mode=keep", "/collective_rpc",
+            "/reset_prefix_cache?reset_running_requests=true", "/resume",
+            "/update_weight_version"]
+
+
+class FakeRestarter:
+    """Stands in for the supervisor: a restart 'starts' the replica on deployed.current
+    (the fake stays up; the router's health loop re-admits it)."""
+
+    def __init__(self, pool: ReplicaPool, deployed: Deployed) -> None:
+        self._pool, self._deployed = pool, deployed
+        self.launches = {r.id: (1, deployed.current.version) for r in pool}
+        self.restarts: list[str] = []
+
+    def launched(self, replica_id: str) -> tuple[int, str | None]:
+        return self.launches[replica_id]
+
+    async def restart(self, replica_id: str, reason: str) -> None:
+        self.restarts.append(replica_id)
+        count, _ = self.launches[replica_id]
+        self.launches[replica_id] = (count + 1, self._deployed.current.version)
+        replica = self._pool.get(replica_id)
+        assert replica is not None
+        replica.weight_version = self._deployed.current.version
+
+
+@dataclass
+class Fleet:
+    base: str
+    router: Router
+    fakes: list[FakeReplica]
+    rollout: Rollout
+    deployed: Deployed
+    restarter: FakeRestarter | None
+    most_out_of_rotation: int = 0
+
+    def versions(self) -> list[str | None]:
+        return [r.weight_version for r in self.router.pool]
+
+    def states(self) -> list[str]:
+        return [r.state.value for r in self.router.pool]
+
+
+@contextlib.asynccontextmanager
+async def fleet(fake_replicas, tiny_model: Path, n: int = 2, *, supervised: bool = True,
+                knows_model: bool = True, **fake: object) -> AsyncIterator[Fleet]:
+    fakes = [await fake_replicas(f"f{i}", **fake) for i in range(n)]
+    async with running_router([f.url for f in fakes]) as (base, router):
+        deployed = Deployed(weights_for(str(tiny_model)))
+        for r in router.pool:
+            r.weight_version = deployed.current.version
+        restarter = FakeRestarter(router.pool, deployed) if supervised else None
+        router.rollout = rollout = Rollout(router.pool, deployed if knows_model else None,
+                                           restarter=restarter, metrics=router.metrics)
+        f = Fleet(base, router, fakes, rollout, deployed, restarter)
+
+        def count(*_: object) -> None:
+            out = sum(r.state is not ReplicaState.READY for r in router.pool)
+            f.most_out_of_rotation = max(f.most_out_of_rotation, out)
+
+        router.pool.on_state_change(count)
+        try:
+            yield f
+        finally:
+            await rollout.aclose()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    out = tmp_path_factory.mktemp("ckpts")
+    return [write_variant(tiny_model, out, step, tensors=perturbed(0.01, seed=step))
+            for step in (1, 2)]
+
+
+async def take_down(f: Fleet, i: int) -> Replica:
+    """Fail the fake's health checks until the router's health loop marks it down."""
+    f.fakes[i].healthy = False
+    replica = f.router.pool.get(f"r{i}")
+    assert replica is not None
+    while replica.state is not ReplicaState.DOWN:
+        await asyncio.sleep(0.02)
+    return replica
+
+
+async def deploy(f: Fleet, checkpoint: Path, **options: object) -> tuple[int, dict]:
+    async with httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        r = await c.post("/admin/deploy", json={"checkpoint": str(checkpoint), **options})
+        if r.status_code != 202:
+            return r.status_code, r.json()
+        await f.rollout.wait()
+        return 202, (await c.get(f"/admin/deploy/{r.json()['id']}")).json()
+
+
+async def test_replicas_are_hot_loaded_one_at_a_time(fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 3) as f:
+        status, record = await deploy(f, checkpoints[0])
+    version = weights_for(str(checkpoints[0])).version
+    assert status == 202 and record["state"] == "succeeded", record
+    assert [r["phase"] for r in record["replicas"]] == ["done"] * 3
+    assert f.versions() == [version] * 3 and f.states() == ["ready"] * 3
+    assert f.deployed.current.version == version
+    for fake in f.fakes:
+        assert [c for c in fake.dev_calls] == HOT_LOAD  # in this order, a canary between
+        assert fake.weights == str(checkpoints[0]) and fake.weight_version == version
+        assert fake.requests[-2]["logprobs"] == 1  # the canary, before the version is set
+    assert f.most_out_of_rotation == 1
+
+
+async def test_a_batch_reloads_that_many_at_once_but_never_all(fake_replicas, tiny_model,
+                                                                checkpoints):
+    async with fleet(fake_replicas, tiny_model, 3) as f:
+        too_many, refused = await deploy(f, checkpoints[0], batch=3)
+        _, record = await deploy(f, checkpoints[0], batch=2)
+    assert too_many == 400 and refused["error"]["param"] == "batch"
+    assert record["state"] == "succeeded" and f.most_out_of_rotation == 2
+
+
+async def test_requests_in_flight_or_arriving_during_a_deploy_all_complete(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, chunks=20, chunk_delay_s=0.01) as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+
+        async def one(stream: bool) -> tuple[int, str]:
+            r = await c.post("/v1/completions", json={**body, "stream": stream})
+            return r.status_code, r.text
+
+        streams = [asyncio.create_task(one(True)) for _ in range(4)]
+        while sum(r.in_flight for r in f.router.pool) < 4:  # under way on both replicas
+            await asyncio.sleep(0.005)
+        deploying = asyncio.create_task(deploy(f, checkpoints[0]))
+        during = [await one(i % 2 == 0) for i in range(12)]
+        _, record = await deploying
+        results = [*(await asyncio.gather(*streams)), *during]
+    assert record["state"] == "succeeded"
+    assert all(status == 200 for status, _ in results)
+    for _, text in results[:4]:
+        assert text.count("data: ") == 21 and text.endswith("data: [DONE]\n\n")  # whole
+
+
+async def test_a_replica_alone_stays_in_rotation_while_paused(fake_replicas, tiny_model,
+                                                             checkpoints):
+    async with fleet(fake_replicas, tiny_model, 1) as f:
+        seen: list[str] = []
+        f.router.pool.on_state_change(lambda r, old, new: seen.append(new.value))
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "succeeded"
+    assert seen == []  # no 503s: requests queue in the paused engine meanwhile
+    assert f.fakes[0].dev_calls == HOT_LOAD
+
+
+async def test_a_failed_reload_rolls_back_the_replicas_already_updated(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 3) as f:
+        f.fakes[1].fail["reload"] = "error_once"
+        _, record = await deploy(f, checkpoints[0])
+        metrics = f.router.metrics.render().decode()
+    base = weights_for(str(tiny_model))
+    assert 'dpserve_deploys_total{outcome="rolled_back"} 1.0' in metrics
+    assert 'dpserve_replica_reloads_total{outcome="failed",replica="r1"} 1.0' in metrics
+    assert 'dpserve_replica_reloads_total{outcome="rolled_back",replica="r0"} 1.0' in metrics
+    assert record["state"] == "rolled_back"
+    assert "r1: reload: HTTP 500: fake reload failure on f1" in record["error"]
+    assert [r["phase"] for r in record["replicas"]] == ["rolled_back", "rolled_back", "pending"]
+    assert f.versions() == [base.version] * 3 and f.states() == ["ready"] * 3
+    assert f.deployed.current == base
+    assert f.fakes[0].weights == f.fakes[1].weights == base.path  # loaded back
+    assert f.fakes[2].dev_calls == []  # never touched
+    assert f.restarter is not None and f.restarter.restarts == []
+
+
+async def test_a_canary_failing_on_the_old_weights_stops_before_that_replica_changes(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        f.fakes[1].weights, f.fakes[1].fail["canary"] = "/loaded/earlier", "error"
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "rolled_back"
+    assert "r1: before reloading, on the old weights: canary: HTTP 500" in record["error"]
+    assert f.fakes[1].dev_calls == []  # never paused
+    assert f.fakes[0].dev_calls.count("/collective_rpc") == 2  # updated, then back
+    assert f.versions() == [weights_for(str(tiny_model)).version] * 2
+
+
+async def test_a_replica_that_cannot_be_reloaded_back_is_restarted(fake_replicas, tiny_model,
+                                                                   checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        f.fakes[1].fail["reload"] = "error"
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "rolled_back"
+    assert f.restarter is not None and f.restarter.restarts == ["r1"]
+    assert record["replicas"][1]["phase"] == "restarting"
+    assert f.versions() == [weights_for(str(tiny_model)).version] * 2
+
+
+async def test_a_replica_that_computed_nan_is_restarted_not_reloaded(fake_replicas, tiny_model,
+                                                                     checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        f.fakes[0].fail["canary"] = "nan"
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "rolled_back"
+    assert "non" in record["replicas"][0]["note"] or "NaN" in record["replicas"][0]["note"]
+    assert f.restarter is not None and f.restarter.restarts == ["r0"]
+    assert f.fakes[0].dev_calls.count("/collective_rpc") == 1  # no reload over poisoned KV
+    assert f.fakes[1].dev_calls == []
+
+
+async def test_without_a_supervisor_an_unrestorable_replica_is_held_out(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, supervised=False) as f:
+        f.fakes[1].fail["canary"] = "error"
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "failed"
+    replica = f.router.pool.get("r1")
+    assert replica is not None and replica.state is ReplicaState.DRAINING
+    assert "restart this engine, then undrain it" in (replica.last_error or "")
+    assert f.states()[0] == "ready" and f.versions()[0] == weights_for(str(tiny_model)).version
+
+
+async def test_a_second_deploy_while_one_runs_is_refused(fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, chunks=30, chunk_delay_s=0.05) as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        stream = asyncio.create_task(c.post("/v1/completions", json={
+            "model": MODEL, "prompt": "long", "stream": True}))
+        while sum(r.in_flight for r in f.router.pool) == 0:
+            await asyncio.sleep(0.01)
+        first = await c.post("/admin/deploy", json={"checkpoint": str(checkpoints[0]),
+                                                    "drain_wait_s": 10})
+        second = await c.post("/admin/deploy", json={"checkpoint": str(checkpoints[1])})
+        await f.rollout.wait()
+        latest = (await c.get("/admin/deploy")).json()
+        assert (await stream).status_code == 200
+    assert first.status_code == 202
+    assert second.status_code == 409 and "in progress" in second.json()["error"]["message"]
+    assert latest["id"] == first.json()["id"] and latest["state"] == "succeeded"
+    # drain_wait_s: the stream ended before its replica was paused
+    assert all(r["steps"]["drain"] < 10 for r in latest["replicas"])
+
+
+async def test_a_refused_checkpoint_changes_nothing(fake_replicas, tiny_model, tmp_path):
+    async with fleet(fake_replicas, tiny_model, 2) as f, \
+            httpx.AsyncClient(base_url=f.base) as c:
+        r = await c.post("/admin/deploy", json={"checkpoint": str(tiny_model)})
+        relative = await c.post("/admin/deploy", json={"checkpoint": "out/step-000001"})
+        latest = (await c.get("/admin/deploy")).json()
+    assert r.status_code == 422 and r.json()["error"]["param"] == "checkpoint"
+    assert "no dpserve.json" in r.json()["error"]["message"]
+    assert relative.status_code == 400
+    assert latest["state"] == "refused"
+    assert all(fake.dev_calls == [] for fake in f.fakes)
+    assert f.versions() == [weights_for(str(tiny_model)).version] * 2
+
+
+async def test_the_version_already_served_is_skipped(fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        await deploy(f, checkpoints[0])
+        calls = [len(fake.dev_calls) for fake in f.fakes]
+        _, again = await deploy(f, checkpoints[0])
+    assert again["state"] == "succeeded"
+    assert [r["phase"] for r in again["replicas"]] == ["skipped", "skipped"]
+    assert [len(fake.dev_calls) for fake in f.fakes] == calls
+
+
+async def test_a_replica_down_at_its_turn_is_restarted_on_the_new_weights(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        r1 = await take_down(f, 1)
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "succeeded"
+    assert record["replicas"][1]["phase"] == "restarting"
+    assert f.restarter is not None and f.restarter.restarts == ["r1"]
+    assert r1.weight_version == weights_for(str(checkpoints[0])).version
+    assert f.fakes[1].dev_calls == []
+
+
+async def test_without_a_supervisor_a_replica_that_stays_down_fails_the_deploy(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, supervised=False) as f:
+        await take_down(f, 1)
+        _, record = await deploy(f, checkpoints[0], ready_timeout_s=0.3)
+    assert record["state"] == "rolled_back"
+    assert "r1: not ready within 0.3 s" in record["error"]
+    assert f.fakes[0].weights == str(tiny_model.resolve())  # r0 was reloaded, then back
+
+
+async def test_an_admin_drained_replica_is_reloaded_but_stays_drained(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f, httpx.AsyncClient(base_url=f.base) as c:
+        await c.post("/admin/replicas/r0/drain")
+        _, record = await deploy(f, checkpoints[0])
+    assert record["state"] == "succeeded"
+    assert f.states() == ["draining", "ready"]
+    assert f.versions() == [weights_for(str(checkpoints[0])).version] * 2
+
+
+async def test_a_router_that_does_not_know_its_model_refuses_deploys(fake_replicas, tiny_model,
+                                                                     checkpoints):
+    async with fleet(fake_replicas, tiny_model, 1, knows_model=False) as f:
+        status, body = await deploy(f, checkpoints[0])
+    assert status == 409 and "--base-model" in body["error"]["message"]
+
+
+async def test_versions_are_in_the_replica_list_and_the_metrics(fake_replicas, tiny_model,
+                                                                 checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2) as f, httpx.AsyncClient(base_url=f.base) as c:
+        await deploy(f, checkpoints[0])
+        listing = (await c.get("/admin/replicas")).json()["replicas"]
+        metrics = (await c.get("/metrics")).text
+        served = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    version = weights_for(str(checkpoints[0])).version
+    assert [r["weight_version"] for r in listing] == [version, version]
+    assert f'dpserve_replica_weight_info{{replica="r0",version="{version}"}} 1.0' in metrics
+    assert 'dpserve_deploys_total{outcome="succeeded"} 1.0' in metrics
+    assert 'dpserve_replica_reloads_total{outcome="succeeded",replica="r1"} 1.0' in metrics
+    assert "dpserve_deploy_duration_seconds_count 1.0" in metrics
+    assert served.headers["x-dpserve-weight-version"] == version
+
+
+async def test_unknown_deploys_and_a_router_without_rollout_answer_in_the_envelope(
+        fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, router), httpx.AsyncClient(base_url=base) as c:
+        off = await c.post("/admin/deploy", json={"checkpoint": "/x"})
+        router.rollout = Rollout(router.pool, Deployed(Weights("/x", "base:x")))
+        none_yet = await c.get("/admin/deploy")
+        unknown = await c.get("/admin/deploy/nope")
+    assert off.status_code == 503 and off.json()["error"]["code"] == 503
+    assert none_yet.status_code == 404
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "deploy_id"
