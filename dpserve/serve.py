@@ -29,6 +29,8 @@ from dpserve.replicas.launcher import (
     visible_gpus,
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
+from dpserve.rollout.deployed import Deployed, weights_for
+from dpserve.rollout.rollout import Rollout
 from dpserve.router.app import Router, build_app
 from dpserve.router.pool import Replica, ReplicaPool
 
@@ -103,12 +105,23 @@ class _Signals:
             self._loop.remove_signal_handler(sig)
 
 
-async def run_router(config: RouterConfig, replica_urls: list[str]) -> int:
-    """Serve the router alone in front of replicas started elsewhere."""
+async def run_router(config: RouterConfig, replica_urls: list[str],
+                     base_model: str | None = None) -> int:
+    """Serve the router alone in front of replicas started elsewhere.
+
+    `base_model` is the local model directory the replicas were started on: deploys
+    check checkpoints against it (without it, `/admin/deploy` refuses). Nothing
+    restarts these replicas, so one restarted elsewhere loads whatever its own command
+    line says: point that at the deployed checkpoint.
+    """
+    deployed = Deployed(weights_for(base_model)) if base_model else None
+    version = deployed.current.version if deployed else None
     pool = ReplicaPool([
-        Replica(id=f"r{i}", url=url.rstrip("/")) for i, url in enumerate(replica_urls)
+        Replica(id=f"r{i}", url=url.rstrip("/"), weight_version=version)
+        for i, url in enumerate(replica_urls)
     ])
     router = Router(pool, config)
+    router.rollout = rollout = Rollout(pool, deployed, metrics=router.metrics)
     sock = bind_socket(config.host, config.port)
     server = _uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
@@ -116,6 +129,7 @@ async def run_router(config: RouterConfig, replica_urls: list[str]) -> int:
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="dpserve-router")
         return await _serve_until_stopped(server, signals, serving)
     finally:
+        await rollout.aclose()
         signals.close()
 
 
@@ -125,11 +139,17 @@ async def run_serve(config: ServeConfig) -> int:
     gpus = visible_gpus() if config.gpus is None else config.gpus
     specs = plan_replicas(config, gpus=gpus, cores=usable_cores(), port=lambda _: free_port(),
                           run_dir=run_dir)
-    pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device) for s in specs])
+    # What replicas load: the model, then whatever checkpoint is deployed (restarts too).
+    deployed = Deployed(weights_for(config.model))
+    pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
+                                weight_version=deployed.current.version) for s in specs])
     router = Router(pool, config.router)
     restarts = router.metrics.replica_restarts
     supervisor = Supervisor(specs, pool, config,
-                            on_restart=lambda rid: restarts.labels(rid).inc())
+                            on_restart=lambda rid: restarts.labels(rid).inc(),
+                            deployed=deployed)
+    router.rollout = rollout = Rollout(pool, deployed, restarter=supervisor,
+                                       metrics=router.metrics)
     sock = bind_socket(config.router.host, config.router.port)
     server = _uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
@@ -170,6 +190,7 @@ async def run_serve(config: ServeConfig) -> int:
         if not serving.done():
             with contextlib.suppress(Exception):
                 await serving
+        await rollout.aclose()
         await supervisor.stop()
         if gpu_metrics is not None:
             gpu_metrics.close()

@@ -42,6 +42,16 @@ class ReplicaSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+def argv_with_model(argv: tuple[str, ...], model: str) -> tuple[str, ...]:
+    """`argv` with the value of `--model` replaced: a replica restarted after a deploy
+    loads the deployed checkpoint; `--served-model-name` stays, so clients see the
+    same model name whatever weights are loaded."""
+    if "--model" not in argv:
+        return (*argv, "--model", model)
+    i = argv.index("--model")
+    return (*argv[:i + 1], model, *argv[i + 2:])
+
+
 def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
     """GPU indices this process may use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi."""
     environ = dict(os.environ) if environ is None else environ

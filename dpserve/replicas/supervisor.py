@@ -10,6 +10,11 @@ process; killing the group takes both). The supervisor:
   at once (`pool.mark_down`), then restarted after a backoff that doubles on
   each quick crash; the health loop re-admits it when it answers again;
 * stops them all: SIGTERM to the group, wait, SIGKILL what is left.
+
+With a `Deployed` record, every (re)start loads `deployed.current` instead of
+the spec's `--model`: a replica whose engine died during or after a rolling
+deploy comes back on the deployed checkpoint, never on stale weights. The
+rollout can also ask for a restart (`restart`) of a replica it cannot reload.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import IO
 import httpx
 
 from dpserve.config import ServeConfig
-from dpserve.replicas.launcher import ReplicaSpec
+from dpserve.replicas.launcher import ReplicaSpec, argv_with_model
+from dpserve.rollout.deployed import Deployed
 from dpserve.router.pool import ReplicaPool, ReplicaState
 
 log = logging.getLogger("dpserve.supervisor")
@@ -86,6 +92,11 @@ class _Managed:
     restarts: int = 0
     watcher: asyncio.Task[None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    launches: int = 0
+    launched_version: str | None = None
+    """Weight version the current process was started on (with a Deployed record)."""
+    restart_requested: bool = False
+    """The next exit was asked for (`Supervisor.restart`): restart at once, no backoff."""
 
 
 class Supervisor:
@@ -96,8 +107,10 @@ class Supervisor:
         config: ServeConfig,
         *,
         on_restart: Callable[[str], None] | None = None,
+        deployed: Deployed | None = None,
     ) -> None:
         self._replicas = [_Managed(s) for s in specs]
+        self._deployed = deployed
         self._pool = pool
         self._config = config
         self._on_restart = on_restart
@@ -107,6 +120,27 @@ class Supervisor:
     @property
     def pids(self) -> dict[str, int]:
         return {m.spec.id: m.proc.pid for m in self._replicas if m.proc is not None}
+
+    def launched(self, replica_id: str) -> tuple[int, str | None]:
+        """(processes started so far for the replica, weight version of the latest)."""
+        m = self._managed(replica_id)
+        return m.launches, m.launched_version
+
+    async def restart(self, replica_id: str, reason: str) -> None:
+        """Stop the replica's process group; the watcher starts it again at once, on
+        `deployed.current`. Nothing to do while it is between two processes."""
+        m = self._managed(replica_id)
+        if m.proc is None or m.proc.returncode is not None or self._stopping:
+            return
+        log.warning("replica %s: restarting (%s)", replica_id, reason)
+        m.restart_requested = True
+        _signal_group(m.proc.pid, signal.SIGTERM)
+
+    def _managed(self, replica_id: str) -> _Managed:
+        for m in self._replicas:
+            if m.spec.id == replica_id:
+                return m
+        raise KeyError(replica_id)
 
     async def start(self) -> None:
         """Start every replica; return when all are healthy, or raise ReplicaStartError."""
@@ -135,16 +169,25 @@ class Supervisor:
 
     async def _spawn(self, m: _Managed) -> None:
         spec = m.spec
+        argv = spec.argv
+        if self._deployed is not None:
+            weights = self._deployed.current
+            argv = argv_with_model(spec.argv, weights.path)
+            m.launched_version = weights.version
+            replica = self._pool.get(spec.id)
+            if replica is not None:
+                replica.weight_version = weights.version
+        m.launches += 1
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if m.log_file is None:
             m.log_file = spec.log_path.open("ab")
         m.log_file.write(f"\n===== dpserve: starting {spec.id} on {spec.device}: "
-                         f"{' '.join(spec.argv)}\n".encode())
+                         f"{' '.join(argv)}\n".encode())
         m.log_file.flush()
         m.ready.clear()
         self._pool_state(spec.id, ReplicaState.STARTING)
         m.proc = await asyncio.create_subprocess_exec(
-            *spec.argv,
+            *argv,
             env={**os.environ, **spec.env},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=m.log_file,
@@ -173,6 +216,7 @@ class Supervisor:
                 if resp.status_code == 200:
                     log.info("replica %s: healthy after %.1f s", m.spec.id,
                              time.monotonic() - m.started_at)
+                    await self._tell_version(m)
                     m.ready.set()
                     return
             with contextlib.suppress(TimeoutError):
@@ -191,9 +235,12 @@ class Supervisor:
                 self._pool.mark_down(replica, reason)
             await self._kill_group(m)  # the engine core may outlive the API server
             ran_for = time.monotonic() - m.started_at
-            m.failures = 1 if ran_for >= STABLE_AFTER_S else m.failures + 1
-            delay = restart_delay(m.failures, self._config.restart_backoff_s,
-                                  self._config.restart_backoff_max_s)
+            if m.restart_requested:  # asked for, not a crash: no backoff
+                m.restart_requested, delay = False, 0.0
+            else:
+                m.failures = 1 if ran_for >= STABLE_AFTER_S else m.failures + 1
+                delay = restart_delay(m.failures, self._config.restart_backoff_s,
+                                      self._config.restart_backoff_max_s)
             log.error("replica %s: %s after %.0f s; restarting in %.1f s (log: %s)\n%s",
                       m.spec.id, reason, ran_for, delay, m.spec.log_path,
                       log_tail(m.spec.log_path, 10))
@@ -210,6 +257,15 @@ class Supervisor:
                 log.error("%s", exc)  # the loop sees the exit (or kills it) and backs off
                 if m.proc.returncode is None:
                     await self._terminate(m)
+
+    async def _tell_version(self, m: _Managed) -> None:
+        """Name the weights in vLLM's own /weight_info too (best effort: the router's
+        pool is what dpserve reports)."""
+        if m.launched_version is None:
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.post(m.spec.url + "/update_weight_version",
+                                    json={"new_version": m.launched_version}, timeout=5.0)
 
     def _pool_state(self, replica_id: str, state: ReplicaState) -> None:
         replica = self._pool.get(replica_id)
