@@ -1,7 +1,9 @@
 """The `dpserve` command line: it parses, builds a config, and hands over.
 
     dpserve serve --model M [--replicas N] [--gpus 0,1] [--port 8000] [-- VLLM ARGS]
-    dpserve router --replica URL [--replica URL ...]
+    dpserve router --replica URL [--replica URL ...] [--base-model DIR]
+    dpserve deploy CHECKPOINT_DIR | --watch OUTPUT_DIR [--router URL]
+    dpserve status [--router URL]
     dpserve demo [--model DIR]
     dpserve build-tiny-model --output DIR
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -47,6 +50,13 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 
+def _admin_client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default=os.environ.get("DPSERVE_ROUTER_URL"),
+                   help="router base URL (default $DPSERVE_ROUTER_URL or "
+                        "http://127.0.0.1:8000)")
+    p.add_argument("--admin-key-file", help="file with the admin key (or DPSERVE_ADMIN_KEY)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpserve",
@@ -72,7 +82,33 @@ def _parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the router alone in front of existing replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
+    router.add_argument("--base-model", metavar="DIR",
+                        help="local model directory the replicas were started on; "
+                             "`dpserve deploy` checks checkpoints against it")
     _router_flags(router)
+
+    deploy = sub.add_parser(
+        "deploy", help="hot-load a fine-tuned checkpoint into the running replicas",
+        description="Validate a checkpoint against the served model, then reload it into "
+                    "the replicas one at a time (drain, pause, reload, canary, resume) "
+                    "without failing a request; any failure rolls back.")
+    target = deploy.add_mutually_exclusive_group(required=True)
+    target.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT_DIR",
+                        help="a complete checkpoint, e.g. out/step-000120")
+    target.add_argument("--watch", metavar="OUTPUT_DIR",
+                        help="deploy each new checkpoint `dpserve finetune` publishes here")
+    deploy.add_argument("--batch", type=int, help="replicas reloaded at once (default 1)")
+    deploy.add_argument("--canary-prompt", help="prompt of each replica's canary request")
+    deploy.add_argument("--drain-wait-s", type=float,
+                        help="let in-flight requests finish (up to S s) before pausing")
+    deploy.add_argument("--interval-s", type=float, default=10.0,
+                        help="--watch: seconds between looks at OUTPUT_DIR")
+    deploy.add_argument("--max-deploys", type=int, help="--watch: stop after N deploys")
+    deploy.add_argument("--timeout-s", type=float, help="--watch: stop after S seconds")
+    _admin_client_flags(deploy)
+
+    status = sub.add_parser("status", help="replicas, their state, load and weight version")
+    _admin_client_flags(status)
 
     finetune = sub.add_parser(
         "finetune", help="fine-tune the model with PyTorch DDP (one process per GPU)",
@@ -138,6 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace, extra: list[str]) -> int:
+    if ns.command in ("deploy", "status"):
+        from dpserve.rollout.client import run_admin_command
+
+        return run_admin_command(ns)
+
     from dpserve.serve import PortInUseError  # heavy imports only when serving
 
     if ns.command == "build-tiny-model":
@@ -171,7 +212,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
                     raise ConfigError(f"replica: expected an http(s) URL, got {url!r}")
             cfg = build_router_config(_flags(ns), file_values.get("router") or {})
             _setup_logging(cfg.log_level)
-            return _run_loop(run_router(cfg, ns.replica))
+            return _run_loop(run_router(cfg, ns.replica, ns.base_model))
 
         from dpserve.serve import run_serve
 

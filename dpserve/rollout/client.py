@@ -1,0 +1,240 @@
+"""What `dpserve deploy` and `dpserve status` do: call the router's admin API, print.
+
+    dpserve deploy CHECKPOINT_DIR [--router URL] [--batch 1] [--canary-prompt P]
+    dpserve deploy --watch OUTPUT_DIR [--interval-s 10] [--max-deploys N] [--timeout-s T]
+    dpserve status [--router URL]
+
+The admin key comes from `--admin-key-file` or DPSERVE_ADMIN_KEY (without one the
+router answers `/admin` to loopback clients only). The checkpoint path is sent
+absolute: the router and the replicas read it from their own filesystem (the
+same machine, or a shared volume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from dpserve.checkpoint import latest_checkpoint
+
+DEFAULT_ROUTER = "http://127.0.0.1:8000"
+ADMIN_KEY_ENV = "DPSERVE_ADMIN_KEY"
+# Validation hashes every byte of the checkpoint before the router answers.
+VALIDATE_TIMEOUT_S = 1800.0
+POLL_S = 0.25
+
+
+class AdminError(Exception):
+    """The router refused or could not be reached; the message says why."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def read_admin_key(path: str | None, environ: dict[str, str] | None = None) -> str | None:
+    environ = dict(os.environ) if environ is None else environ
+    if path is None:
+        return environ.get(ADMIN_KEY_ENV) or None
+    lines = [ln.strip() for ln in Path(path).read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise AdminError(f"{path} holds no key")
+    return lines[0]
+
+
+class AdminClient:
+    """The router's `/admin` API over httpx; the caller closes it (`async with`)."""
+
+    def __init__(self, router_url: str, admin_key: str | None = None, *,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.router_url = router_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.router_url, headers=headers,
+                                       transport=transport, timeout=30.0)
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    async def start_deploy(self, checkpoint: Path, options: dict[str, Any]) -> dict[str, Any]:
+        """`checkpoint` must be absolute (the router reads it from its own filesystem)."""
+        body = {"checkpoint": str(checkpoint), **options}
+        return await self._call("POST", "/admin/deploy", json=body, timeout=VALIDATE_TIMEOUT_S)
+
+    async def deploy(self, deploy_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/admin/deploy/{deploy_id}")
+
+    async def latest_deploy(self) -> dict[str, Any] | None:
+        try:
+            return await self._call("GET", "/admin/deploy")
+        except AdminError as exc:
+            if exc.status in (404, 503):
+                return None
+            raise
+
+    async def replicas(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/admin/replicas"))["replicas"])
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            resp = await self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise AdminError(f"cannot reach the router at {self.router_url}: "
+                             f"{type(exc).__name__} {exc}") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code >= 400:
+            message = (body or {}).get("error", {}).get("message") if isinstance(
+                body, dict) else None
+            raise AdminError(f"HTTP {resp.status_code}: {message or resp.text[:300]}",
+                             resp.status_code)
+        return body
+
+
+async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, Any],
+                     out: TextIO) -> int:
+    """Start a deploy, print each replica's progress until it ends; 0 if it succeeded."""
+    try:
+        record = await client.start_deploy(checkpoint, options)
+    except AdminError as exc:
+        print(f"deploy refused: {exc}", file=out, flush=True)
+        return 1
+    print(f"deploy {record['id']}: {record['checkpoint']}\n"
+          f"  version {record['version']} (was {record['previous_version']}), "
+          f"{len(record['replicas'])} replica(s), {record['options']['batch']} at a time",
+          file=out, flush=True)
+    shown: dict[str, tuple[Any, ...]] = {}
+    started = time.monotonic()
+    while True:
+        for r in record["replicas"]:
+            key = (r["phase"], r["note"], r["error"])
+            if shown.get(r["id"]) != key:
+                shown[r["id"]] = key
+                print("  " + _replica_line(r), file=out, flush=True)
+        if record["done"]:
+            break
+        await asyncio.sleep(POLL_S)
+        record = await client.deploy(record["id"])
+    took = time.monotonic() - started
+    if record["state"] == "succeeded":
+        print(f"succeeded in {took:.1f} s: {record['version']} is deployed", file=out,
+              flush=True)
+        return 0
+    print(f"{record['state']} after {took:.1f} s: {record['error']}", file=out, flush=True)
+    if record["state"] == "rolled_back":
+        print(f"  the replicas serve {record['previous_version']} again", file=out, flush=True)
+    return 1
+
+
+def _replica_line(r: dict[str, Any]) -> str:
+    line = f"{r['id']:<4} {r['phase']:<11}"
+    if r["phase"] in ("done", "rolled_back") and r["seconds"] is not None:
+        line += f" in {r['seconds']:.2f} s, now serving {r['version']}"
+    if r["note"]:
+        line += f" {r['note']}"
+    if r["error"]:
+        line += f" error: {r['error']}"
+    return line.rstrip()
+
+
+async def run_watch(client: AdminClient, output_dir: Path, options: dict[str, Any],
+                    out: TextIO, *, interval_s: float, max_deploys: int | None,
+                    timeout_s: float | None) -> int:
+    """Deploy the newest complete checkpoint of `output_dir` whenever a new one appears.
+
+    Only the newest is deployed when several appeared during a deploy; a refused or
+    rolled-back checkpoint is not retried. Stops after `max_deploys` deploys or
+    `timeout_s` seconds (or on Ctrl-C); 0 if every deploy succeeded.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    attempted: set[Path] = set()
+    failures = deploys = 0
+    print(f"watching {output_dir} every {interval_s:g} s", file=out, flush=True)
+    while True:
+        latest = await asyncio.to_thread(latest_checkpoint, output_dir)
+        if latest is not None and latest not in attempted:
+            current = await client.latest_deploy()
+            if current is not None and not current["done"]:
+                print(f"deploy {current['id']} is in progress; {latest.name} waits",
+                      file=out, flush=True)
+            else:
+                attempted.add(latest)
+                deploys += 1
+                if await run_deploy(client, latest, options, out) != 0:
+                    failures += 1
+                if max_deploys is not None and deploys >= max_deploys:
+                    break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(interval_s)
+    print(f"stopped watching: {deploys} deploy(s), {failures} not succeeded", file=out,
+          flush=True)
+    return 1 if failures else 0
+
+
+async def run_status(client: AdminClient, out: TextIO) -> int:
+    """Print every replica's state, load and weight version, and the last deploy."""
+    try:
+        replicas = await client.replicas()
+        last = await client.latest_deploy()
+    except AdminError as exc:
+        print(f"status: {exc}", file=out, flush=True)
+        return 1
+    rows = [("replica", "state", "in-flight", "weight version", "device", "url")]
+    rows += [(r["id"], r["state"], str(r["in_flight"]), r["weight_version"] or "unknown",
+              r["device"], r["url"]) for r in replicas]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),
+              file=out)
+    if last is not None:
+        print(f"last deploy {last['id']}: {last['state']}, {last['checkpoint']}"
+              + (f" ({last['version']})" if last["version"] else "")
+              + (f": {last['error']}" if last["error"] else ""), file=out)
+    out.flush()
+    return 0
+
+
+def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
+    """`dpserve deploy` / `dpserve status` from parsed arguments; the exit code."""
+    out = sys.stdout if out is None else out
+    try:
+        key = read_admin_key(ns.admin_key_file)
+    except (OSError, AdminError) as exc:
+        print(f"dpserve {ns.command}: cannot read the admin key: {exc}", file=sys.stderr)
+        return 2
+    client = AdminClient(ns.router or DEFAULT_ROUTER, key)
+    watched = Path(os.path.abspath(ns.watch)) if getattr(ns, "watch", None) else None
+    checkpoint = Path(os.path.abspath(ns.checkpoint)) if getattr(ns, "checkpoint", None) else None
+
+    async def main() -> int:
+        async with client:
+            if ns.command == "status":
+                return await run_status(client, out)
+            options = {name: getattr(ns, name) for name in
+                       ("batch", "canary_prompt", "drain_wait_s")
+                       if getattr(ns, name) is not None}
+            if watched is not None:
+                return await run_watch(client, watched, options, out,
+                                       interval_s=ns.interval_s, max_deploys=ns.max_deploys,
+                                       timeout_s=ns.timeout_s)
+            return await run_deploy(client, checkpoint, options, out)
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted; a deploy already started goes on in the router "
+              "(`dpserve status` shows it)", file=out, flush=True)
+        return 130
