@@ -35,6 +35,12 @@ def _case(r: TargetResult | None, key: str, attr: str) -> float | None:
     return getattr(stats, attr) if stats else None
 
 
+def _per_core(r: TargetResult, key: str) -> float | None:
+    """1e6 / the router's CPU microseconds per request."""
+    cpu = _case(r, key, "router_cpu_us_per_req")
+    return 1e6 / cpu if cpu else None
+
+
 def derived(results: dict[str, TargetResult]) -> dict[str, dict[str, Any]]:
     """Per router target: what it adds over direct, in ms."""
     direct = results.get("direct")
@@ -93,6 +99,8 @@ def table_rows(args: argparse.Namespace, results: dict[str, TargetResult]) -> li
         Row(section, "p50 ms", case("cN", "p50_ms")),
         Row(section, "p99 ms", case("cN", "p99_ms")),
         Row(section, "router CPU us/req", case("cN", "router_cpu_us_per_req"), 0),
+        # What one core could do if the router had it all: least disturbed by other work.
+        Row(section, "req/s per router core", each(lambda r: _per_core(r, "cN")), 0),
     ]
     if args.no_stream:
         return rows
@@ -162,9 +170,12 @@ def verdicts(args: argparse.Namespace, results: dict[str, TargetResult]) -> dict
         out["throughput"] = {"verdict": "N/A", "why": "dpserve or vllm-router not measured"}
     else:
         ratio = ours / theirs
+        mine_core, their_core = (_per_core(results[n], "cN") for n in ("dpserve", "vllm-router"))
         out["throughput"] = {"verdict": "PASS" if ratio >= TARGET_THROUGHPUT_RATIO else "FAIL",
                              "dpserve_req_per_s": ours, "vllm_router_req_per_s": theirs,
-                             "ratio": ratio, "target_ratio": TARGET_THROUGHPUT_RATIO}
+                             "ratio": ratio, "target_ratio": TARGET_THROUGHPUT_RATIO,
+                             "per_core_ratio": mine_core / their_core
+                             if mine_core and their_core else None}
     added = add.get("added_p50_c1_ms")
     out["added_latency"] = {
         "verdict": "N/A" if added is None else ("PASS" if added <= TARGET_ADDED_P50_MS else "FAIL"),
@@ -229,9 +240,11 @@ def _verdict_line(key: str, v: dict[str, Any]) -> str:
     if key == "throughput":
         if verdict == "N/A":
             return f"throughput: N/A ({v['why']})"
+        per_core = v["per_core_ratio"]
+        cpu = f"; by router CPU per request {per_core:.2f}x" if per_core else ""
         return (f"throughput at c=C >= {v['target_ratio']:.1f}x vllm-router: dpserve "
                 f"{v['dpserve_req_per_s']:,.0f} req/s = {v['ratio']:.2f}x "
-                f"({v['vllm_router_req_per_s']:,.0f}) -> {verdict}")
+                f"({v['vllm_router_req_per_s']:,.0f}){cpu} -> {verdict}")
     if key == "added_latency":
         shown = "-" if v["added_p50_ms"] is None else f"{v['added_p50_ms']:+.3f} ms"
         return f"added p50 latency at c=1 <= {v['target_ms']:.1f} ms: dpserve {shown} -> {verdict}"
