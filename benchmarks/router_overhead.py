@@ -89,8 +89,8 @@ from types import FrameType
 from typing import Any
 
 from _client import client_main
-from _measure import Bench, Env, Router, StartRouter, TargetResult, merge_rounds
-from _report import TARGETS, print_report, verdicts
+from _overhead_measure import Bench, Env, Router, StartRouter, TargetResult, merge_rounds
+from _overhead_report import TARGETS, print_report, verdicts
 from _services import HOST, Service, free_ports, pin_self, plan_placement, start_service, stop_all
 from _tools import PY_SPY_SPEC, VLLM_ROUTER_SPEC, ensure_tool, vllm_router_version
 from _upstreams import (

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from _measure import Env, Stats, TargetResult
+from _overhead_measure import Env, Stats, TargetResult
 
 TARGETS = ("direct", "dpserve", "vllm-router")
 TARGET_THROUGHPUT_RATIO = 0.5
