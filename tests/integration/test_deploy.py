@@ -1,0 +1,344 @@
+"""Rolling deploys of fine-tuned checkpoints into real vLLM replicas (CPU, tiny model).
+
+One 2-replica `dpserve serve` for the module (its start overlaps the real
+`dpserve finetune` that makes the first checkpoint); the tests run in order and
+each leaves both replicas ready:
+
+1. refused checkpoints (bad sha256, other shapes, other vocabulary, no
+   dpserve.json, NaN) change nothing;
+2. `dpserve deploy` under continuous mixed load fails and aborts no request, and
+   afterwards both replicas answer as the checkpoint does in transformers, for
+   prompts whose prefix was cached before the deploy too;
+3. an engine killed mid-rollout: the rollout rolls back (the updated replica is
+   reloaded with the deployed checkpoint) while serving continues, and the killed
+   replica restarts on the deployed checkpoint, answering exactly as the
+   hot-loaded one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from dpserve.demo import serve_command, wait_ready
+from dpserve.replicas.launcher import free_port
+from dpserve.rollout.deployed import weights_for
+from tests.finetune_helpers import trained, write_train_data
+from tests.integration.conftest import MODEL_NAME, READY_DEADLINE_S, Deployment, offline_env, poll
+from tests.procs import processes_in_group
+from tests.rollout.checkpoints import edit_json, other_vocabulary, perturbed, write_variant
+
+pytestmark = pytest.mark.vllm
+
+NEW_TOKENS = 8
+# CPU vLLM caches prefixes in blocks of 128 tokens: a prefix this long fills blocks.
+SHARED_PREFIX = "The old road ran past the market and the river, and the baker said " * 12
+PROMPTS = [SHARED_PREFIX + tail for tail in ("rain.", "a small boat.", "my sister.")]
+
+
+@dataclass
+class Fleet:
+    d: Deployment
+    finetuned: Path
+    """Written by the real `dpserve finetune`."""
+    other: Path
+    """Another checkpoint of the same model (the finetuned weights, moved)."""
+    work: Path
+    base_version: str
+
+    def replicas(self) -> list[dict]:
+        return httpx.get(self.d.base_url + "/admin/replicas", timeout=10).json()["replicas"]
+
+    def versions(self) -> list[str]:
+        return [r["weight_version"] for r in self.replicas()]
+
+    def all_ready(self) -> bool:
+        return all(r["state"] == "ready" for r in self.replicas())
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("deploy")
+    port = free_port()
+    log_path = work / "serve.log"
+    cmd = serve_command(tiny_model, replicas=2, port=port, served_name=MODEL_NAME,
+                        run_dir=work / "runs")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
+                                start_new_session=True)
+    d = Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        data = write_train_data(work / "train.jsonl")
+        finetuned = trained(tiny_model, data, work / "out", nproc=1, micro_batch_size=4,
+                            max_steps=3)
+        other = write_variant(finetuned, work / "other", 7, tensors=perturbed(0.05, seed=7))
+        wait_ready(d.base_url, proc, READY_DEADLINE_S)
+        yield Fleet(d, finetuned, other, work, weights_for(str(tiny_model)).version)
+    finally:
+        d.stop()
+
+
+def start_deploy(f: Fleet, checkpoint: Path, **options: object) -> httpx.Response:
+    return httpx.post(f.d.base_url + "/admin/deploy", timeout=120,
+                      json={"checkpoint": str(checkpoint), **options})
+
+
+def deploy_record(f: Fleet, deploy_id: str) -> dict:
+    return httpx.get(f"{f.d.base_url}/admin/deploy/{deploy_id}", timeout=10).json()
+
+
+def completion(url: str, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs from one server (router or replica)."""
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "logprobs": 1, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def transformers_greedy(ckpt_dir: Path, ids: list[int]) -> tuple[list[int], list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(step[0], -1)[t].item()
+                for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def prompt_ids(f: Fleet) -> list[list[int]]:
+    return [httpx.post(f.d.base_url + "/tokenize", timeout=30, json={
+        "model": MODEL_NAME, "prompt": p}).json()["tokens"] for p in PROMPTS]
+
+
+def replica_metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+# -- a bounded, mixed load: streaming and not, completions and chat, a shared prefix --------
+
+
+@dataclass
+class Load:
+    base_url: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    limit: int = 600
+
+    async def run(self, workers: int = 4) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=120) as c:
+            await asyncio.gather(*(self._worker(c, w) for w in range(workers)))
+
+    async def _worker(self, c: httpx.AsyncClient, w: int) -> None:
+        i = 0
+        while not self.stop.is_set() and self.ok + len(self.failures) < self.limit:
+            i += 1
+            kind, stream = ("chat" if (w + i) % 4 >= 2 else "completion"), (w + i) % 2 == 0
+            text = (SHARED_PREFIX if i % 3 == 0 else "") + f"Tell me about the lamp {w}-{i}."
+            body: dict = {"model": MODEL_NAME, "max_tokens": 16, "stream": stream,
+                          "temperature": 0.7}
+            if kind == "chat":
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            error = await self._one(c, path, body)
+            if error is None:
+                self.ok += 1
+            else:
+                self.failures.append(f"{kind} stream={stream}: {error}")
+
+    async def _one(self, c: httpx.AsyncClient, path: str, body: dict) -> str | None:
+        try:
+            if not body["stream"]:
+                r = await c.post(path, json=body)
+                if r.status_code != 200:
+                    return f"HTTP {r.status_code} {r.text[:200]}"
+                reason = r.json()["choices"][0]["finish_reason"]
+                return None if reason in ("stop", "length") else f"finish_reason {reason}"
+            async with c.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    return f"HTTP {r.status_code}"
+                events = [line.removeprefix("data: ") async for line in r.aiter_lines()
+                          if line.startswith("data: ")]
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if not events or events[-1] != "[DONE]":
+            return "stream did not end with [DONE]"
+        for event in map(json.loads, events[:-1]):
+            if "error" in event:
+                return f"error event {event['error']}"
+            for choice in event.get("choices", []):
+                if choice.get("finish_reason") not in (None, "stop", "length"):
+                    return f"finish_reason {choice['finish_reason']}"
+        return None
+
+
+@contextlib.contextmanager
+def background_load(base_url: str, workers: int) -> Iterator[Load]:
+    """Run a Load in a thread of its own (the test's waits block); stop it on exit."""
+    load = Load(base_url)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(load.run(workers)))
+    thread.start()
+    try:
+        poll(lambda: load.ok >= 4 or load.failures, 60, "the load to get going")
+        yield load
+    finally:
+        loop.call_soon_threadsafe(load.stop.set)
+        thread.join(120)
+        loop.close()
+
+
+# -- the tests ------------------------------------------------------------------------------
+
+
+def test_refused_checkpoints_change_nothing(fleet: Fleet):
+    f, base = fleet, fleet.finetuned
+    bad_sha = write_variant(base, f.work / "bad-sha", 11)
+    data = bytearray((bad_sha / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (bad_sha / "model.safetensors").write_bytes(bytes(data))
+    no_meta = f.work / "no-meta" / "step-000003"
+    shutil.copytree(base, no_meta)
+    (no_meta / "dpserve.json").unlink()
+    cases = {
+        "sha256": (bad_sha, 422, "model.safetensors does not match its sha256"),
+        "no dpserve.json": (no_meta, 422, "no dpserve.json"),
+        "shapes": (write_variant(base, f.work / "shapes", 12, tensors=lambda t: {
+            **t, "model.layers.1.mlp.down_proj.weight": torch.zeros(128, 384)}), 409,
+            "tensor model.layers.1.mlp.down_proj.weight has shape [128, 384]"),
+        "vocabulary": (write_variant(base, f.work / "vocab", 13, files=other_vocabulary), 409,
+                       "tokenizer.json differs"),
+        "config": (write_variant(base, f.work / "config", 14, files=lambda d: edit_json(
+            d / "config.json", lambda c: c.update(num_hidden_layers=3))), 409,
+            "num_hidden_layers is 3 in the checkpoint, 2"),
+        "NaN": (write_variant(base, f.work / "nan", 15, tensors=lambda t: {
+            **t, "lm_head.weight": torch.full_like(t["lm_head.weight"], float("nan"))}), 422,
+            "lm_head.weight holds NaN"),
+    }
+    for name, (ckpt_dir, status, message) in cases.items():
+        r = start_deploy(f, ckpt_dir)
+        assert r.status_code == status, (name, r.text)
+        assert message in r.json()["error"]["message"], (name, r.text)
+    assert f.versions() == [f.base_version] * 2 and f.all_ready()
+    for replica in f.replicas():  # vLLM's own record agrees: nothing was reloaded
+        info = httpx.get(replica["url"] + "/weight_info", timeout=10).json()
+        assert info["weight_version"] == f.base_version
+    assert httpx.get(f.d.base_url + "/admin/deploy").json()["state"] == "refused"
+
+
+def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fleet: Fleet):
+    f = fleet
+    ids = prompt_ids(f)
+    urls = [r["url"] for r in f.replicas()]
+    for url in urls:  # both replicas cache the prompts' prefix blocks, on the old weights
+        for p in ids:
+            completion(url, p)
+            completion(url, p)
+    assert all(replica_metric(u, "vllm:prefix_cache_hits_total") > 0 for u in urls)
+
+    with background_load(f.d.base_url, workers=4) as load:
+        before = load.ok
+        cli = subprocess.run(
+            [sys.executable, "-m", "dpserve", "deploy", str(f.finetuned),
+             "--router", f.d.base_url], capture_output=True, text=True, timeout=300,
+            env=offline_env())
+        served_during = load.ok - before
+        poll(lambda: load.ok >= before + served_during + 8, 60, "requests after the deploy")
+
+    version = weights_for(str(f.finetuned)).version
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "succeeded in" in cli.stdout
+    assert "r0   done" in cli.stdout and "r1   done" in cli.stdout
+    assert load.failures == [] and served_during > 0
+    assert f.versions() == [version, version] and f.all_ready()
+    metrics = httpx.get(f.d.base_url + "/metrics").text
+    assert f'dpserve_replica_weight_info{{replica="r1",version="{version}"}} 1.0' in metrics
+    models = httpx.get(f.d.base_url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL_NAME]
+    for p in ids:  # the cached prefixes were dropped: the new weights answer
+        want_tokens, want_logprobs = transformers_greedy(f.finetuned, p)
+        for url in urls:
+            tokens, logprobs = completion(url, p)
+            assert tokens == want_tokens
+            assert logprobs == pytest.approx(want_logprobs, abs=2e-3)
+
+
+def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deployed_weights(
+        fleet: Fleet):
+    f = fleet
+    deployed = weights_for(str(f.finetuned)).version
+    assert f.versions() == [deployed, deployed]  # left so by the previous test
+    base = f.d.base_url
+    admin = httpx.Client(base_url=base, timeout=30)
+    # A long generation on r1, to hold r1 in `draining` (drain_wait_s) when its turn comes.
+    admin.post("/admin/replicas/r0/drain")
+    long_result: dict[str, object] = {}
+
+    def long_stream() -> None:
+        with httpx.stream("POST", base + "/v1/completions", timeout=300, json={
+            "model": MODEL_NAME, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}) as r:
+            long_result["replica"] = r.headers["x-dpserve-replica"]
+            long_result["events"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    holder = threading.Thread(target=long_stream)
+    holder.start()
+    poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "the long stream to start on r1")
+    admin.post("/admin/replicas/r0/undrain")
+    poll(f.all_ready, 30, "r0 back in rotation")
+    r1_pid, _ = f.d.replicas()["r1"]
+
+    try:
+        with background_load(base, workers=2) as load:
+            started = start_deploy(f, f.other, drain_wait_s=600)
+            assert started.status_code == 202, started.text
+            deploy_id = started.json()["id"]
+            poll(lambda: [r["phase"] for r in deploy_record(f, deploy_id)["replicas"]]
+                 == ["done", "draining"], 120, "r0 reloaded and r1 draining")
+            poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "only the long stream left on r1")
+            os.killpg(r1_pid, signal.SIGKILL)  # the engine dies mid-rollout
+            record = poll(lambda: (rec := deploy_record(f, deploy_id))["done"] and rec, 120,
+                          "the rollout to end")
+            poll(lambda: processes_in_group(r1_pid) == [], 30, "r1's processes to be gone")
+            poll(lambda: f.all_ready() and f.d.replicas()["r1"][0] != r1_pid, 300,
+                 "r1 restarted and ready", interval_s=1.0)
+    finally:
+        holder.join(60)
+        admin.close()
+    assert record["state"] == "rolled_back", record
+    assert "r1: pause:" in record["error"]
+    assert [r["phase"] for r in record["replicas"]] == ["rolled_back", "restarting"]
+    assert load.failures == [] and load.ok > 0  # serving went on throughout
+    assert long_result["replica"] == "r1" and "error" in long_result["events"][-2]
+    # The restarted replica loaded the deployed checkpoint, not the base model...
+    assert f.versions() == [deployed, deployed]
+    runs_log = next((f.work / "runs").iterdir()) / "replica-r1.log"
+    starts = [ln for ln in runs_log.read_text().splitlines() if "dpserve: starting r1" in ln]
+    assert len(starts) == 2 and f"--model {f.finetuned} " in starts[-1]
+    # ...and answers exactly as the replica that was reloaded back to it.
+    urls = [r["url"] for r in f.replicas()]
+    for p in prompt_ids(f):
+        assert completion(urls[0], p) == completion(urls[1], p)
