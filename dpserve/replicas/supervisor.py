@@ -133,6 +133,10 @@ class Supervisor:
         if m.proc is None or m.proc.returncode is not None or self._stopping:
             return
         log.warning("replica %s: restarting (%s)", replica_id, reason)
+        replica = self._pool.get(replica_id)
+        if replica is not None:  # out of rotation and of the health loop while it stops:
+            # a dying engine still answers /health for a few seconds
+            self._pool.set_state(replica, ReplicaState.DRAINING, f"restarting: {reason}")
         m.restart_requested = True
         _signal_group(m.proc.pid, signal.SIGTERM)
 
@@ -231,7 +235,9 @@ class Supervisor:
                 return
             replica = self._pool.get(m.spec.id)
             reason = f"process exited with code {code}"
-            if replica is not None:
+            if replica is not None and m.restart_requested:
+                self._pool.set_state(replica, ReplicaState.DOWN, reason)
+            elif replica is not None:
                 self._pool.mark_down(replica, reason)
             await self._kill_group(m)  # the engine core may outlive the API server
             ran_for = time.monotonic() - m.started_at

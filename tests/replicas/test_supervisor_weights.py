@@ -61,12 +61,17 @@ async def test_a_replica_that_dies_restarts_on_the_deployed_checkpoint(tmp_path)
 
 
 async def test_a_requested_restart_skips_the_crash_backoff(tmp_path):
-    sup, _ = setup(tmp_path, Deployed(BASE), restart_backoff_s=30.0, restart_backoff_max_s=60.0)
+    sup, pool = setup(tmp_path, Deployed(BASE), restart_backoff_s=30.0,
+                      restart_backoff_max_s=60.0)
     await sup.start()
     try:
         first = sup.pids["r0"]
+        seen: list[str] = []
+        pool.on_state_change(lambda r, old, new: seen.append(new.value))
         await sup.restart("r0", "the rollout could not reload it")
         await wait_for(lambda: sup.launched("r0")[0] == 2, 15, "a restart without backoff")
         assert sup.pids["r0"] != first
+        # out of the health loop's reach while the old process stops, then starting
+        assert seen[:3] == ["draining", "down", "starting"]
     finally:
         await sup.stop()
