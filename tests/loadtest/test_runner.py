@@ -20,7 +20,9 @@ async def test_requests_are_sent_on_schedule(fake_server):
     offsets = [0.0, 0.05, 0.1, 0.15, 0.2]
     outcome = await run_load(plan(server, offsets))
     assert [r.scheduled_s for r in outcome.records] == offsets
-    assert all(0 <= r.start_s - r.scheduled_s < 0.02 for r in outcome.records)
+    # Sent on time: no request early, none late by more than a busy machine's
+    # scheduling noise (the schedule's own step is 50 ms).
+    assert all(0 <= r.start_s - r.scheduled_s < 0.04 for r in outcome.records)
     assert all(r.ok for r in outcome.records)
     assert outcome.duration_s >= 0.2
 
@@ -40,7 +42,7 @@ async def test_duration_stops_sending_new_requests(fake_server):
     server = await fake_server(Script(itl_s=0.001))
     started = time.perf_counter()
     outcome = await run_load(plan(server, [i * 0.05 for i in range(200)], duration_s=0.5))
-    assert time.perf_counter() - started < 2.0
+    assert time.perf_counter() - started < 5.0  # the full schedule would take 10 s
     assert 9 <= len(outcome.records) <= 11  # due at 0, 0.05, ..., 0.5 s
     assert all(r.scheduled_s <= 0.5 for r in outcome.records)
 
