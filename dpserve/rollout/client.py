@@ -120,7 +120,7 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
     while True:
         for r in record["replicas"]:
             key = (r["phase"], r["note"], r["error"])
-            if shown.get(r["id"]) != key:
+            if r["phase"] != "pending" and shown.get(r["id"]) != key:
                 shown[r["id"]] = key
                 print("  " + _replica_line(r), file=out, flush=True)
         if record["done"]:
