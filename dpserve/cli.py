@@ -1,7 +1,7 @@
 """The `dpserve` command line: it parses, builds a config, and hands over.
 
     dpserve serve --model M [--replicas N] [--gpus 0,1] [--port 8000] [-- VLLM ARGS]
-    dpserve router --replica URL [--replica URL ...] [--base-model DIR]
+    dpserve router --replica URL [--replica URL ...] | --discover dns://NAME:PORT [--base-model DIR]
     dpserve deploy CHECKPOINT_DIR | --watch OUTPUT_DIR [--router URL]
     dpserve status [--router URL]
     dpserve demo [--model DIR]
@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the router alone in front of existing replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
+    router.add_argument("--discover", metavar="dns://NAME:PORT",
+                        help="find replicas as the A records of NAME (e.g. a Kubernetes "
+                             "headless Service), re-resolved on an interval")
+    router.add_argument("--discover-interval-s", type=float,
+                        help="seconds between two lookups of --discover's name (default 5)")
+    router.add_argument("--route-around-paused", action="store_true", default=None,
+                        help="keep replicas that answer /is_paused true out of rotation "
+                             "(several routers share the replicas)")
+    router.add_argument("--deploy-lock", metavar="FILE",
+                        help="lock file on storage shared by every router: one deploy at a "
+                             "time across them")
     router.add_argument("--base-model", metavar="DIR",
                         help="local model directory the replicas were started on; "
                              "`dpserve deploy` checks checkpoints against it")
@@ -205,12 +216,12 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         if ns.command == "router":
             from dpserve.serve import run_router
 
-            if not ns.replica:
-                raise ConfigError("replica: give at least one --replica URL")
             for url in ns.replica:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"replica: expected an http(s) URL, got {url!r}")
             cfg = build_router_config(_flags(ns), file_values.get("router") or {})
+            if not ns.replica and cfg.discover is None:
+                raise ConfigError("replica: give at least one --replica URL, or --discover")
             _setup_logging(cfg.log_level)
             return _run_loop(run_router(cfg, ns.replica, ns.base_model))
 

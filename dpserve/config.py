@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from dpserve.router.discovery import DiscoveryError, parse_target
+
 ENV_PREFIX = "DPSERVE_"
 POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
             "engine-load")
@@ -96,6 +98,22 @@ class RouterConfig:
     """Consecutive successful checks that put a replica (back) into rotation."""
     graceful_shutdown_s: float = 30.0
     """On SIGTERM/SIGINT, how long in-flight requests may run before being cut."""
+    discover: str | None = None
+    """`dns://NAME:PORT`: find replicas as the A records of NAME (e.g. a Kubernetes
+    headless Service), re-resolved every `discover_interval_s`; a replica joins or
+    leaves the pool as its address appears or disappears. `dpserve router` only."""
+    discover_interval_s: float = 5.0
+    """Period of re-resolving `discover`'s name."""
+    route_around_paused: bool = False
+    """Also ask each replica's `/is_paused` (vLLM dev mode) at every health check and
+    keep a paused one out of rotation. Set it when several routers share the replicas:
+    another router's deploy pauses them without this one knowing."""
+    deploy_lock: str | None = None
+    """Lock file (on storage every router shares, e.g. the checkpoint volume) that a
+    deploy holds while it runs, so only one router deploys at a time."""
+    deploy_lock_ttl_s: float = 60.0
+    """A deploy lock not renewed for this long is taken to be abandoned (its router
+    died) and may be taken over; the holder renews it every third of it."""
     log_level: str = "info"
     """Log level of the router and supervisor (debug, info, warning, error)."""
     api_key: str | None = field(default=None, repr=False)
@@ -346,6 +364,14 @@ def _validate_router(c: RouterConfig) -> None:
     for name in ("engine_scrape_interval_s", "queue_timeout_s", "load_factor"):
         value = getattr(c, name)
         _require(value > 0, f"router.{name}", "must be > 0", value)
+    if c.discover is not None:
+        try:
+            parse_target(c.discover)
+        except DiscoveryError as exc:
+            raise ConfigError(f"router.discover: {exc}") from None
+    for name in ("discover_interval_s", "deploy_lock_ttl_s"):
+        value = getattr(c, name)
+        _require(value > 0, f"router.{name}", "must be > 0", value)
     _require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
                  "breaker_failures"):
@@ -365,6 +391,8 @@ def _validate_router(c: RouterConfig) -> None:
 
 
 def _validate_serve(c: ServeConfig) -> None:
+    _require(c.router.discover is None, "router.discover",
+             "only `dpserve router` discovers replicas; `serve` starts its own", c.router.discover)
     _require(bool(c.model.strip()), "model", "must not be empty", c.model)
     if c.replicas is not None:
         _require(c.replicas >= 1, "replicas", "must be >= 1", c.replicas)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import secrets
 import time
@@ -48,6 +49,7 @@ import httpx
 
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
 from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S, EngineAdmin, EngineAdminError
+from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
 from dpserve.rollout.progress import (
     DeployOptions,
     DeployProgress,
@@ -119,6 +121,16 @@ class Rollout:
         self._active: DeployProgress | None = None
         self._task: asyncio.Task[None] | None = None
         self._served: ModelFingerprint | None = None
+        self._lock: DeployLock | None = None
+        self._hot_loading: set[str] = set()
+
+    def use_lock(self, lock: DeployLock) -> None:
+        """Hold `lock` (shared by every router) for the whole of each deploy."""
+        self._lock = lock
+
+    def hot_loading(self, replica: Replica) -> bool:
+        """Whether this router's deploy is hot-loading `replica` now (its pause is ours)."""
+        return replica.id in self._hot_loading
 
     @property
     def deployed(self) -> Deployed | None:
@@ -145,8 +157,13 @@ class Rollout:
         if n > 1 and options.batch >= n:
             raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
                           param="batch")
-        progress = DeployProgress(id=f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}",
-                                  checkpoint=checkpoint, options=asdict(options))
+        deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        if self._lock is not None:
+            try:
+                await asyncio.to_thread(self._lock.acquire, deploy_id)
+            except LockHeld as exc:
+                raise Refused(409, str(exc), param=None) from None
+        progress = DeployProgress(id=deploy_id, checkpoint=checkpoint, options=asdict(options))
         self._active = progress
         self._history[progress.id] = progress
         while len(self._history) > HISTORY:
@@ -156,9 +173,11 @@ class Rollout:
             target = await asyncio.to_thread(self._validate, Path(checkpoint))
         except Refused as exc:
             progress.finish(DeployState.REFUSED, exc.message)
+            await self._release_lock()
             raise
         except Exception as exc:
             progress.finish(DeployState.FAILED, f"validation crashed: {exc!r}")
+            await self._release_lock()
             raise
         progress.version = target.version
         progress.previous_version = self._deployed.current.version
@@ -201,6 +220,8 @@ class Rollout:
         self._deployed.current = target  # replicas (re)started from now on load the target
         progress.event(f"rolling out {target.version} (was {previous.version}) to "
                        f"{len(self._pool)} replica(s), {options.batch} at a time")
+        renewing = (asyncio.create_task(self._renew_lock(progress), name="dpserve-deploy-lock")
+                    if self._lock is not None else None)
         try:
             async with self._client_factory() as client:
                 run = _Run(progress, options, client)
@@ -221,6 +242,28 @@ class Rollout:
             log.exception("deploy %s crashed", progress.id)
             self._deployed.current = previous
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
+        finally:
+            if renewing is not None:
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewing
+            await self._release_lock()
+
+    async def _renew_lock(self, progress: DeployProgress) -> None:
+        assert self._lock is not None
+        while True:
+            await asyncio.sleep(self._lock.renew_every_s)
+            try:
+                await asyncio.to_thread(self._lock.renew)
+            except (LockLost, OSError) as exc:
+                progress.event(f"deploy lock: {exc}", level=logging.ERROR)
+
+    async def _release_lock(self) -> None:
+        if self._lock is not None:
+            try:
+                await asyncio.to_thread(self._lock.release)
+            except OSError as exc:
+                log.warning("could not release the deploy lock %s: %s", self._lock.path, exc)
 
     def _finish(self, progress: DeployProgress, state: DeployState,
                 error: str | None = None) -> None:
@@ -311,6 +354,14 @@ class Rollout:
         """Drain (if another replica can take the traffic), pause, reload, reset the
         prefix cache, resume, canary, name the version, re-admit. Raises on any error,
         leaving the replica out of rotation (or, alone, in it) for the rollback."""
+        self._hot_loading.add(replica.id)
+        try:
+            await self._hot_load_steps(run, replica, weights, batch)
+        finally:
+            self._hot_loading.discard(replica.id)
+
+    async def _hot_load_steps(self, run: _Run, replica: Replica, weights: Weights,
+                              batch: set[str]) -> None:
         rp = run.progress.replica(replica.id)
         reason = f"deploy {run.progress.id}"
         admin_drained = (replica.state is ReplicaState.DRAINING

@@ -29,9 +29,11 @@ from dpserve.config import RouterConfig
 from dpserve.metrics.federate import engine_metrics_endpoint
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
 from dpserve.rollout.api import deploy_routes
+from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Rollout
 from dpserve.router.admin import admin_routes
 from dpserve.router.auth import Authenticate
+from dpserve.router.discovery import Discovery, parse_target
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
 from dpserve.router.health import EngineScraper, HealthChecker
@@ -67,6 +69,8 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self.discovery: Discovery | None = None
         self.rollout: Rollout | None = None
         """Hot-loads of checkpoints (`/admin/deploy`); set by whoever knows the served model."""
 
@@ -98,9 +102,24 @@ class Router:
             skip_auto_headers=("User-Agent",),
         )
         self._control = httpx.AsyncClient()
+        rollout = self.rollout
+        if rollout is not None and self.config.deploy_lock is not None:
+            rollout.use_lock(DeployLock(self.config.deploy_lock,
+                                        ttl_s=self.config.deploy_lock_ttl_s))
+        if self.config.discover is not None:
+            self.discovery = Discovery(
+                self.pool, parse_target(self.config.discover),
+                interval_s=self.config.discover_interval_s,
+                weight_version=lambda: (rollout.deployed.current.version
+                                        if rollout is not None and rollout.deployed else None))
+            await self.discovery.refresh()
+            self._discovery_task = asyncio.create_task(self.discovery.run(),
+                                                       name="dpserve-discovery")
         failures = self.metrics.health_check_failures
-        self._health = health = HealthChecker(self.pool, self.config, self._control,
-                                              on_failure=lambda r: failures.labels(r.id).inc())
+        self._health = health = HealthChecker(
+            self.pool, self.config, self._control,
+            on_failure=lambda r: failures.labels(r.id).inc(),
+            own_pause=rollout.hot_loading if rollout is not None else None)
         await health.check_all()  # replicas already up are ready on the first request
         self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
         if self.config.policy == "engine-load":
@@ -109,7 +128,7 @@ class Router:
             self._scrape_task = asyncio.create_task(scraper.run(), name="dpserve-engine-scrape")
 
     async def aclose(self) -> None:
-        for task in (self._health_task, self._scrape_task):
+        for task in (self._discovery_task, self._health_task, self._scrape_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

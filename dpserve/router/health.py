@@ -9,6 +9,14 @@ Replicas being drained or reloaded belong to the admin path and are left alone.
 Passive signals (a refused connection in the proxy, a process exit seen by the
 supervisor) take a replica out at once through `ReplicaPool.mark_down`; this
 loop is what brings it back.
+
+With `route_around_paused`, a healthy replica is also asked `GET /is_paused`
+(vLLM dev mode). Several routers share the replicas on Kubernetes, and a
+deploy run by one of them pauses a replica the others still route to; a paused
+replica is therefore taken out at once (a deliberate state, not a flaky probe)
+and comes back through the usual streak of good checks once resumed. Pauses of
+this router's own deploy (`own_pause`) are left alone: its rollout manages
+those replicas. An engine without the dev endpoint (404) counts as not paused.
 """
 
 from __future__ import annotations
@@ -27,14 +35,18 @@ from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 log = logging.getLogger("dpserve.health")
 
+PAUSED = "paused (a deploy is hot-loading it)"
+
 
 class HealthChecker:
     def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient,
-                 *, on_failure: Callable[[Replica], None] | None = None) -> None:
+                 *, on_failure: Callable[[Replica], None] | None = None,
+                 own_pause: Callable[[Replica], bool] | None = None) -> None:
         self._pool = pool
         self._config = config
         self._client = client
         self._on_failure = on_failure
+        self._own_pause = own_pause
 
     async def run(self) -> None:
         """Check forever; cancel the task to stop."""
@@ -63,10 +75,28 @@ class HealthChecker:
             return f"/health timed out after {self._config.health_timeout_s:g} s"
         except httpx.HTTPError as exc:
             return f"/health failed: {type(exc).__name__}"
-        return None if resp.status_code == 200 else f"/health answered {resp.status_code}"
+        if resp.status_code != 200:
+            return f"/health answered {resp.status_code}"
+        if self._config.route_around_paused and await self._paused(replica):
+            return PAUSED
+        return None
+
+    async def _paused(self, replica: Replica) -> bool:
+        if self._own_pause is not None and self._own_pause(replica):
+            return False
+        try:
+            resp = await self._client.get(replica.url + "/is_paused",
+                                          timeout=self._config.health_timeout_s)
+            return resp.status_code == 200 and resp.json().get("is_paused") is True
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False  # /health just answered: the engine is up, whatever this says
 
     async def _record(self, replica: Replica, error: str | None) -> None:
         if replica.state not in CHECKED:  # the admin path took it while we probed
+            return
+        if error == PAUSED:
+            replica.last_error = error
+            self._pool.mark_down(replica, error)
             return
         if error is not None and self._on_failure is not None:
             self._on_failure(replica)

@@ -95,6 +95,23 @@ class ReplicaPool:
                 names |= r.models
         return names
 
+    def add(self, replica: Replica) -> None:
+        """Put a replica found at run time (DNS discovery) into the pool, as it is."""
+        if self.get(replica.id) is not None:
+            raise ValueError(f"replica id {replica.id!r} is already in the pool")
+        self._replicas.append(replica)
+
+    def remove(self, replica_id: str, reason: str) -> Replica | None:
+        """Take a replica out of the pool for good (its engine is gone). It is marked
+        down first, so listeners see it leave rotation; requests already on it keep
+        their lease and finish."""
+        replica = self.get(replica_id)
+        if replica is None:
+            return None
+        self.set_state(replica, ReplicaState.DOWN, reason)
+        self._replicas.remove(replica)
+        return replica
+
     def on_state_change(self, listener: StateListener) -> None:
         self._listeners.append(listener)
 

@@ -1,0 +1,133 @@
+"""Two routers in front of the same replicas, as on Kubernetes: one deploy at a time
+across them (the shared lock file), and the router that did not start the deploy routes
+around the replica it pauses. The replicas are FakeReplicas (tests/fakes.py) that also
+answer vLLM's `/is_paused` and hold a reload until the test lets it go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from aiohttp import web
+
+from dpserve.config import RouterConfig
+from dpserve.rollout.deployed import Deployed, weights_for
+from dpserve.rollout.rollout import Rollout
+from dpserve.router.app import Router, build_app
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.serve import bind_socket
+from tests.fakes import MODEL, FakeReplica
+from tests.rollout.checkpoints import perturbed, write_variant
+
+
+class PausableFake(FakeReplica):
+    """A FakeReplica with `GET /is_paused`, whose reload waits for `reload_gate`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.reload_gate = asyncio.Event()
+
+    def _add_dev_endpoints(self, app: web.Application) -> None:
+        super()._add_dev_endpoints(app)
+        app.router.add_get("/is_paused", self._is_paused)
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    def _dev_endpoint(self, step: str):  # type: ignore[no-untyped-def]
+        handle = super()._dev_endpoint(step)
+        if step != "reload":
+            return handle
+
+        async def held(request: web.Request) -> web.Response:
+            await self.reload_gate.wait()
+            return await handle(request)
+        return held
+
+
+@contextlib.asynccontextmanager
+async def router_on(urls: list[str], model: Path, lock: Path) -> AsyncIterator[
+        tuple[str, Router]]:
+    """A router set up as on Kubernetes: knows the model, shares the lock, routes around
+    paused replicas. Its rollout exists before it starts, as in `dpserve router`."""
+    config = RouterConfig(health_interval_s=0.1, route_around_paused=True,
+                          deploy_lock=str(lock))
+    deployed = Deployed(weights_for(str(model)))
+    pool = ReplicaPool([Replica(id=f"r{i}", url=u, weight_version=deployed.current.version)
+                        for i, u in enumerate(urls)])
+    router = Router(pool, config)
+    router.rollout = Rollout(pool, deployed, metrics=router.metrics)
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
+                                           lifespan="on", http="httptools"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", router
+    finally:
+        await router.rollout.aclose()
+        server.should_exit = True
+        await task
+
+
+async def wait_for(condition, what: str, deadline_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + deadline_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {deadline_s} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_variant(tiny_model, tmp_path_factory.mktemp("ckpts"), 1,
+                         tensors=perturbed(0.01, seed=1))
+
+
+async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
+        tiny_model, checkpoint, tmp_path):
+    fakes = [await PausableFake(f"f{i}").start() for i in range(2)]
+    lock = tmp_path / "shared" / "deploy.lock"
+    urls = [f.url for f in fakes]
+    try:
+        async with router_on(urls, tiny_model, lock) as (a_url, a), \
+                router_on(urls, tiny_model, lock) as (b_url, b), \
+                httpx.AsyncClient(timeout=30) as c:
+            await wait_for(lambda: len(a.pool.ready()) == len(b.pool.ready()) == 2,
+                           "both routers see both replicas ready")
+            started = await c.post(a_url + "/admin/deploy", json={"checkpoint": str(checkpoint)})
+            assert started.status_code == 202, started.text
+            await wait_for(lambda: fakes[0].paused, "router A pauses the first replica")
+
+            # Router B was not told; it sees the pause and routes around that replica.
+            await wait_for(lambda: b.pool.get("r0").state is ReplicaState.DOWN,
+                           "router B takes the paused replica out")
+            answers = [await c.post(b_url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                       for _ in range(6)]
+            assert [r.status_code for r in answers] == [200] * 6
+            assert {r.headers["x-dpserve-replica"] for r in answers} == {"r1"}
+            # ...and cannot start a deploy of its own meanwhile.
+            second = await c.post(b_url + "/admin/deploy", json={"checkpoint": str(checkpoint)})
+            assert second.status_code == 409
+            assert "deploy lock" in second.json()["error"]["message"]
+            assert lock.exists()
+
+            for fake in fakes:
+                fake.reload_gate.set()
+            await a.rollout.wait()
+            assert a.rollout.latest().state.value == "succeeded"
+            assert not lock.exists()  # released: the next deploy may run on any router
+            await wait_for(lambda: len(b.pool.ready()) == 2, "router B takes both back")
+            assert all(f.weights == str(checkpoint) for f in fakes)
+    finally:
+        for fake in fakes:
+            await fake.stop()
