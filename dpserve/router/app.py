@@ -2,11 +2,11 @@
 
 `Router` owns everything long-lived (the pool's health task, the aiohttp
 session of the data plane, the httpx client of the control plane) and closes
-it in `aclose`. `build_app` turns it into a Starlette app whose routes are an
-allow-list: the OpenAI API paths are forwarded, the router answers `/health`,
-`/ready`, `/metrics` and its own control plane `/admin/*` itself, and every
-other path — vLLM's dev endpoints included — is a 404 in the OpenAI error
-envelope.
+it in `aclose`. `build_app` turns it into an ASGI app whose routes are an
+allow-list: the OpenAI API paths are forwarded (straight to their endpoint,
+see `DataPlaneFront`), the router answers `/health`, `/ready`, `/metrics` and
+its own control plane `/admin/*` itself (Starlette routes), and every other
+path — vLLM's dev endpoints included — is a 404 in the OpenAI error envelope.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dpserve.rollout.api import deploy_routes
 from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Rollout
 from dpserve.router.admin import admin_routes
+from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.auth import Authenticate
 from dpserve.router.discovery import Discovery, parse_target
 from dpserve.router.dispatch import Dispatcher
@@ -139,7 +140,7 @@ class Router:
             await self._control.aclose()
 
 
-def build_app(router: Router) -> Starlette:
+def build_app(router: Router) -> DataPlaneFront:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -163,11 +164,13 @@ def build_app(router: Router) -> Starlette:
         *admin_routes(router),
         *deploy_routes(router),
     ]
+    forwarded: dict[tuple[str, str], ProxyEndpoint] = {}
     for path, method, has_body in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
             metrics=router.metrics, session=router.session, has_body=has_body,
         )
+        forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))
 
     @contextlib.asynccontextmanager
@@ -196,4 +199,28 @@ def build_app(router: Router) -> Starlette:
     )
     app.add_middleware(Authenticate, api_keys=router.config.api_keys,
                        admin_key=router.config.admin_key)
-    return app
+    auth = Authenticate(None, api_keys=router.config.api_keys, admin_key=router.config.admin_key)
+    return DataPlaneFront(app, forwarded, auth)
+
+
+class DataPlaneFront:
+    """ASGI entry: a forwarded route whose caller may use it goes straight to its
+    endpoint; everything else (probes, admin, refusals, 404/405) goes through Starlette.
+
+    Starlette's middleware stack and route matching are per-request costs the data
+    plane does not need: `ProxyEndpoint` answers its own errors in the OpenAI envelope.
+    """
+
+    def __init__(self, app: Starlette, forwarded: dict[tuple[str, str], ProxyEndpoint],
+                 auth: Authenticate) -> None:
+        self.app = app
+        self._forwarded = forwarded
+        self._auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = self._forwarded.get((scope["path"], scope["method"]))
+            if endpoint is not None and self._auth.refusal(scope) is None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -55,24 +55,26 @@ class Authenticate:
         self._api_keys = [k.encode() for k in api_keys or []]
         self._admin_keys = [admin_key.encode()] if admin_key else []
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)  # type: ignore[operator]
-            return
+    def refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """Why this HTTP request may not go on (status, message), or None if it may."""
         path = scope["path"]
-        refusal: tuple[int, str] | None = None
         if path in OPEN_PATHS:
-            pass
-        elif is_admin_path(path):
+            return None
+        if is_admin_path(path):
             if self._admin_keys:
                 if not bearer_matches(scope["headers"], self._admin_keys):
-                    refusal = (401, "missing or invalid admin key "
-                                    "(send Authorization: Bearer ADMIN_KEY)")
+                    return (401, "missing or invalid admin key "
+                                 "(send Authorization: Bearer ADMIN_KEY)")
             elif not is_loopback((scope.get("client") or (None,))[0]):
-                refusal = (403, "/admin is open to loopback clients only "
-                                "unless an admin key is configured")
-        elif self._api_keys and not bearer_matches(scope["headers"], self._api_keys):
-            refusal = (401, "missing or invalid API key (send Authorization: Bearer KEY)")
+                return (403, "/admin is open to loopback clients only "
+                             "unless an admin key is configured")
+            return None
+        if self._api_keys and not bearer_matches(scope["headers"], self._api_keys):
+            return (401, "missing or invalid API key (send Authorization: Bearer KEY)")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self.refusal(scope) if scope["type"] == "http" else None
         if refusal is None:
             await self._app(scope, receive, send)  # type: ignore[operator]
             return

@@ -27,8 +27,10 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import RouterMetrics, status_class
@@ -89,6 +91,30 @@ class ProxyEndpoint:
             total=None, sock_connect=config.connect_timeout_s,
             sock_read=config.first_byte_timeout_s,
         )
+        # Per-request costs kept out of the hot path: parsed upstream URLs and the
+        # metric children of this route.
+        self._urls: dict[str, URL] = {}
+        self._duration = metrics.request_duration.labels(route)
+        self._first_byte = metrics.time_to_first_byte.labels(route)
+        self._counted: dict[tuple[str, int], Any] = {}
+
+    def _url(self, base: str, tail: str, query: bytes) -> URL | str:
+        if query:
+            return base + tail + "?" + query.decode("latin-1")
+        url = self._urls.get(base)
+        if url is None:
+            if len(self._urls) >= 1024:  # replicas come and go (discovery): stay bounded
+                self._urls.clear()
+            url = self._urls[base] = URL(base + tail)
+        return url
+
+    def _count(self, served_by: str, status: int) -> None:
+        key = (served_by, status)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self._metrics.requests.labels(
+                self.route, served_by, status_class(status))
+        child.inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
@@ -120,12 +146,16 @@ class ProxyEndpoint:
                 task.uncancel()
             status = 499
             self._metrics.client_disconnects.labels(self.route).inc()
+        except Exception:
+            log.exception("request %s: unhandled error on %s", rid, self.route)
+            status = 500
+            if not replied.started:
+                await send_json_error(replied, RouterError(500, "internal router error"), rid)
         finally:
             if watcher is not None:
                 watcher.cancel()
-            elapsed = time.perf_counter() - start
-            self._metrics.requests.labels(self.route, served_by, status_class(status)).inc()
-            self._metrics.request_duration.labels(self.route).observe(elapsed)
+            self._count(served_by, status)
+            self._duration.observe(time.perf_counter() - start)
 
     async def _read_request(
         self, scope: Scope, receive: Receive
@@ -178,9 +208,7 @@ class ProxyEndpoint:
         replied: ReplyTracker, start: float,
     ) -> tuple[str, int]:
         headers = upstream_headers(scope, rid)
-        url_tail = scope["path"]
-        if scope.get("query_string"):
-            url_tail += "?" + scope["query_string"].decode("latin-1")
+        query = scope.get("query_string", b"")
         attempts = self._config.max_attempts
         tried: list[str] = []
         last_error, last_status = "", 502
@@ -202,7 +230,8 @@ class ProxyEndpoint:
                         time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
             with self._dispatch.hold(slot):
-                result = await self._attempt(slot, scope["method"], url_tail, body, headers,
+                url = self._url(slot.replica.url, scope["path"], query)
+                result = await self._attempt(slot, scope["method"], url, body, headers,
                                              stream, rid, replied, start,
                                              last=attempt == attempts)
             if isinstance(result, int):
@@ -219,7 +248,7 @@ class ProxyEndpoint:
                                          bytes_sent_to_client=False, stream=stream)
 
     async def _attempt(
-        self, slot: Slot, method: str, url_tail: str, body: bytes, headers: dict[str, str],
+        self, slot: Slot, method: str, url: URL | str, body: bytes, headers: dict[str, str],
         stream: bool, rid: str, replied: ReplyTracker, start: float, *, last: bool,
     ) -> int | str:
         """The status sent to the client, or why to try another replica.
@@ -229,7 +258,7 @@ class ProxyEndpoint:
         replica = slot.replica
         try:
             resp = await self._session().request(
-                method, replica.url + url_tail, data=body if self._has_body else None,
+                method, url, data=body if self._has_body else None,
                 headers=headers, timeout=self._timeout, allow_redirects=False,
             )
         except (*_UNREACHABLE, TimeoutError) as exc:
@@ -262,7 +291,7 @@ class ProxyEndpoint:
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
             out_headers.append((b"content-length", str(len(payload)).encode()))
-            self._metrics.time_to_first_byte.labels(self.route).observe(time.perf_counter() - start)
+            self._first_byte.observe(time.perf_counter() - start)
             await replied.start(resp.status, out_headers)
             await replied.body(payload, more=False)
             return resp.status
@@ -287,7 +316,7 @@ class ProxyEndpoint:
             slot.outcome = Outcome.TIMEOUT
             raise RouterError(504, f"replica {replica.id} sent no token within "
                                    f"{self._config.first_byte_timeout_s:g} s") from None
-        self._metrics.time_to_first_byte.labels(self.route).observe(time.perf_counter() - start)
+        self._first_byte.observe(time.perf_counter() - start)
         await replied.start(resp.status, headers)
         chunk = first
         try:
