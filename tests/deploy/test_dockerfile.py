@@ -153,7 +153,8 @@ def test_the_health_check_asks_the_routers_health_path_on_that_port(final):
     assert url, check
     _, port = served_port(final)
     assert int(url.group(2)) == port
-    paths = {r.path for r in build_app(Router(ReplicaPool([]), RouterConfig())).routes}
+    app = build_app(Router(ReplicaPool([]), RouterConfig()))
+    paths = {r.path for r in getattr(app, "app", app).routes}  # the Starlette app behind
     assert url.group(3) in paths and url.group(3) == "/health"
     command = json.loads(check.split("CMD", 1)[1])
     assert command[0] == "python"  # the venv's, on PATH; the image has no curl

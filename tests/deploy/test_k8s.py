@@ -1,0 +1,416 @@
+"""The Kubernetes manifests (deploy/k8s), rendered per overlay and checked against
+Kubernetes' own schemas (kubernetes-validate) and against dpserve's real command line:
+every flag in a manifest parses with dpserve's argparse parser (and the engines' with
+vLLM's), and ports, probe paths and Service names agree with what the programs do.
+
+Rendering uses `kubectl kustomize` where kubectl is installed; elsewhere a small
+renderer for the subset of Kustomize these manifests use (`render_subset`), which is
+checked to render exactly what kubectl renders wherever both are present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dpserve.cli import _parser
+from dpserve.config import RouterConfig
+from dpserve.finetune.config import build_finetune_config
+from dpserve.router.app import Router, build_app
+from dpserve.router.discovery import parse_target
+from dpserve.router.pool import ReplicaPool
+
+ROOT = Path(__file__).parents[2]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ["single-node", "multi-node"]
+# The oldest Kubernetes the manifests target (the preStop `sleep` action is on by
+# default from 1.30) and the newest the validator knows.
+KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+CLUSTER_SCOPED = {"Namespace"}
+Obj = dict[str, Any]
+
+
+# -- rendering ---------------------------------------------------------------------------
+
+
+def render_kubectl(path: Path) -> list[Obj]:
+    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def render_subset(path: Path) -> list[Obj]:
+    """Kustomize for what these manifests use: resources (files, directories),
+    namespace, labels (not into selectors or templates), images, replicas, and JSON 6902
+    patches with a kind/name target."""
+    k = yaml.safe_load((path / "kustomization.yaml").read_text())
+    objs: list[Obj] = []
+    for res in k.get("resources", []):
+        target = path / res
+        if target.is_dir():
+            objs += render_subset(target)
+        else:
+            objs += [d for d in yaml.safe_load_all(target.read_text()) if d]
+    for patch in k.get("patches", []):
+        ops = yaml.safe_load(patch["patch"])
+        for obj in objs:
+            if (obj["kind"], obj["metadata"]["name"]) == (patch["target"]["kind"],
+                                                          patch["target"]["name"]):
+                for op in ops:
+                    _json_patch(obj, op)
+    for rep in k.get("replicas", []):
+        for obj in objs:
+            if obj["metadata"]["name"] == rep["name"] and "replicas" in obj.get("spec", {}):
+                obj["spec"]["replicas"] = rep["count"]
+    for obj in objs:
+        if "namespace" in k and obj["kind"] not in CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = k["namespace"]
+        for label in k.get("labels", []):
+            assert not label.get("includeSelectors") and not label.get("includeTemplates")
+            obj["metadata"].setdefault("labels", {}).update(label["pairs"])
+        for image in k.get("images", []):
+            for c in containers(obj):
+                if c["image"].split(":")[0] == image["name"]:
+                    c["image"] = f"{image['newName']}:{image['newTag']}"
+    return objs
+
+
+def _json_patch(obj: Obj, op: dict[str, Any]) -> None:
+    *parents, last = [p.replace("~1", "/").replace("~0", "~")
+                      for p in op["path"].lstrip("/").split("/")]
+    node: Any = obj
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    key: Any = int(last) if isinstance(node, list) and last != "-" else last
+    if op["op"] == "remove":
+        del node[key]
+    elif op["op"] == "add" and isinstance(node, list):
+        node.insert(len(node) if key == "-" else key, op["value"])
+    elif op["op"] in ("add", "replace"):
+        node[key] = op["value"]
+    else:
+        raise AssertionError(f"unsupported patch op {op}")
+
+
+def render(path: Path) -> list[Obj]:
+    return render_kubectl(path) if shutil.which("kubectl") else render_subset(path)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request) -> tuple[str, list[Obj]]:
+    return request.param, render(K8S / "overlays" / request.param)
+
+
+def find(objs: list[Obj], kind: str, name: str) -> Obj:
+    (obj,) = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def pod_spec(obj: Obj) -> Obj:
+    return obj["spec"]["template"]["spec"]
+
+
+def containers(obj: Obj) -> Iterator[Obj]:
+    template = obj.get("spec", {}).get("template", {}).get("spec", {})
+    yield from template.get("containers", [])
+    yield from template.get("initContainers", [])
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def named_port(container: Obj, name_or_number: str | int) -> int:
+    if isinstance(name_or_number, int):
+        return name_or_number
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name_or_number]
+    return port
+
+
+def router_paths() -> set[str]:
+    app = build_app(Router(ReplicaPool([]), RouterConfig()))
+    return {r.path for r in getattr(app, "app", app).routes}  # the Starlette app behind
+
+
+def mounts_of_claim(obj: Obj, container: Obj, claim: str) -> list[Obj]:
+    volumes = {v["name"] for v in pod_spec(obj)["volumes"]
+               if v.get("persistentVolumeClaim", {}).get("claimName") == claim}
+    return [m for m in container.get("volumeMounts", []) if m["name"] in volumes]
+
+
+def under(path: str, mounts: list[Obj]) -> bool:
+    return any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+               for m in mounts)
+
+
+# -- schema ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_object_validates_against_the_kubernetes_schema(overlay, version):
+    _, objs = overlay
+    assert len(objs) >= 12
+    for obj in objs:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_subset_renderer_renders_what_kubectl_renders(name):
+    def key(o: Obj) -> tuple[str, str]:
+        return o["kind"], o["metadata"]["name"]
+
+    ours = sorted(render_subset(K8S / "overlays" / name), key=key)
+    theirs = sorted(render_kubectl(K8S / "overlays" / name), key=key)
+    assert ours == theirs
+
+
+def test_every_container_requests_resources_and_runs_as_non_root(overlay):
+    _, objs = overlay
+    for obj in objs:
+        for c in containers(obj):
+            assert c["resources"]["requests"].get("cpu"), (obj["metadata"]["name"], c["name"])
+            assert c["resources"]["requests"].get("memory")
+            assert c["resources"]["limits"].get("memory")
+            assert pod_spec(obj)["securityContext"]["runAsNonRoot"] is True
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["image"] == "registry.example.com/dpserve:0.1.0"
+
+
+# -- engines -----------------------------------------------------------------------------
+
+
+def engine_args(engine: Obj) -> list[str]:
+    (c,) = pod_spec(engine)["containers"]
+    assert c["command"][:2] == ["tini", "--"]
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    return [env.get(a[2:-1], a) if a.startswith("$(") else a for a in c["args"]]
+
+
+def test_engines_are_one_vllm_per_gpu_behind_a_headless_service(overlay):
+    _, objs = overlay
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    (c,) = pod_spec(engine)["containers"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["command"] == ["tini", "--", "python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in c["env"]
+    service = find(objs, "Service", engine["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert selects(service["spec"]["selector"], engine["spec"]["template"]["metadata"]["labels"])
+    assert named_port(c, service["spec"]["ports"][0]["targetPort"]) == \
+        service["spec"]["ports"][0]["port"]
+
+
+def test_the_engine_command_line_parses_with_vllms_parser_and_matches_its_ports(overlay):
+    _, objs = overlay
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    (c,) = pod_spec(engine)["containers"]
+    args = engine_args(engine)
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # not every machine has vLLM; the flags are then read by hand
+        port = int(args[args.index("--port") + 1])
+        host = args[args.index("--host") + 1]
+    else:
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+        validate_parsed_serve_args(ns)
+        port, host = ns.port, ns.host
+        assert ns.model.startswith("/data/")
+    assert host == "0.0.0.0"
+    assert named_port(c, "http") == port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+        assert named_port(c, c[probe]["httpGet"]["port"]) == port
+    assert "preStop" in c["lifecycle"]
+    assert f"127.0.0.1:{port}/metrics" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    model = args[args.index("--model") + 1]
+    assert under(model, mounts_of_claim(engine, c, "dpserve-data"))
+
+
+def test_engines_may_lose_one_pod_at_a_time_to_disruptions(overlay):
+    _, objs = overlay
+    pdb = find(objs, "PodDisruptionBudget", "dpserve-engine")
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert selects(pdb["spec"]["selector"]["matchLabels"],
+                   engine["spec"]["template"]["metadata"]["labels"])
+
+
+# -- routers -----------------------------------------------------------------------------
+
+
+def router_ns(objs: list[Obj]) -> tuple[Obj, Obj, Any]:
+    router = find(objs, "Deployment", "dpserve-router")
+    (c,) = pod_spec(router)["containers"]
+    assert "command" not in c  # the image's entrypoint: tini -- dpserve
+    return router, c, _parser().parse_args(c["args"])
+
+
+def test_routers_are_at_least_two_and_find_engines_through_the_headless_service(overlay):
+    _, objs = overlay
+    router, _, ns = router_ns(objs)
+    assert ns.command == "router" and router["spec"]["replicas"] >= 2
+    target = parse_target(ns.discover)
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    service = find(objs, "Service", target.name)
+    assert service["metadata"]["name"] == engine["spec"]["serviceName"]
+    assert target.port == service["spec"]["ports"][0]["port"]
+    assert ns.route_around_paused is True and ns.replica == []
+
+
+def test_router_ports_probes_and_service_match_the_router(overlay):
+    _, objs = overlay
+    router, c, ns = router_ns(objs)
+    port = ns.port if ns.port is not None else RouterConfig().port
+    assert ns.host == "0.0.0.0" and named_port(c, "http") == port
+    paths = router_paths()
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready" in paths
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health" in paths
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert named_port(c, c[probe]["httpGet"]["port"]) == port
+    service = find(objs, "Service", "dpserve-router")
+    assert selects(service["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    assert named_port(c, service["spec"]["ports"][0]["targetPort"]) == port
+    annotations = router["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == port
+    assert annotations["prometheus.io/path"] in paths
+
+
+def test_routers_share_the_deploy_lock_and_the_base_model_on_the_checkpoint_volume(overlay):
+    _, objs = overlay
+    router, c, ns = router_ns(objs)
+    mounts = mounts_of_claim(router, c, "dpserve-data")
+    assert mounts and not any(m.get("readOnly") for m in mounts)  # the lock is written
+    assert under(ns.deploy_lock, mounts) and under(ns.base_model, mounts)
+    assert ns.graceful_shutdown_s < pod_spec(router)["terminationGracePeriodSeconds"]
+    keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert set(keys) == {"DPSERVE_ADMIN_KEY", "DPSERVE_API_KEYS"}  # never on the command line
+    assert keys["DPSERVE_API_KEYS"].get("optional") is True
+    assert not keys["DPSERVE_ADMIN_KEY"].get("optional")
+
+
+# -- network policy ----------------------------------------------------------------------
+
+
+def test_only_router_pods_may_reach_the_engines(overlay):
+    _, objs = overlay
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    labels = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]:
+              o["spec"]["template"]["metadata"]["labels"]
+              for o in objs if o["kind"] in ("StatefulSet", "Deployment", "Job")}
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels["engine"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace, no CIDR
+    assert any(selects(a, labels["router"]) for a in allowed)
+    assert not any(selects(a, labels["finetune"]) or selects(a, labels["engine"])
+                   for a in allowed)
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    (c,) = pod_spec(engine)["containers"]
+    assert [p["port"] for p in rule["ports"]] == [named_port(c, "http")]
+
+
+# -- storage -----------------------------------------------------------------------------
+
+
+def test_trainer_engines_and_routers_share_one_checkpoint_volume(overlay):
+    name, objs = overlay
+    pvc = find(objs, "PersistentVolumeClaim", "dpserve-data")
+    assert pvc["spec"]["accessModes"] == (
+        ["ReadWriteOnce"] if name == "single-node" else ["ReadWriteMany"])
+    for kind, obj_name in (("StatefulSet", "dpserve-engine"), ("Deployment", "dpserve-router"),
+                           ("Job", "dpserve-finetune")):
+        obj = find(objs, kind, obj_name)
+        (c,) = pod_spec(obj)["containers"]
+        assert mounts_of_claim(obj, c, "dpserve-data"), obj_name
+
+
+def test_the_base_declares_a_read_write_many_volume():
+    base = render(K8S / "base")
+    assert find(base, "PersistentVolumeClaim", "dpserve-data")["spec"]["accessModes"] == [
+        "ReadWriteMany"]
+
+
+# -- fine-tuning -------------------------------------------------------------------------
+
+
+def test_the_finetune_job_meets_by_c10d_rendezvous_on_pod_0(overlay, tmp_path):
+    name, objs = overlay
+    job = find(objs, "Job", "dpserve-finetune")
+    (c,) = pod_spec(job)["containers"]
+    ns = _parser().parse_args(c["args"])
+    assert ns.command == "finetune"
+    # dpserve validates the settings as it would in the pod, with the volume at tmp_path.
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "datasets" / "train.jsonl").write_text('{"text": "hi"}\n')
+    local = argparse.Namespace(**{
+        k: v.replace("/data/", f"{tmp_path}/", 1) if isinstance(v, str) else v
+        for k, v in vars(ns).items()})
+    cfg = build_finetune_config(local, env={})
+    cfg = dataclasses.replace(cfg, model=ns.model, data=ns.data, output=ns.output)
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["suspend"] is True
+    assert spec["completions"] == spec["parallelism"] == cfg.nnodes
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == cfg.nproc_per_node
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == cfg.nproc_per_node
+    mounts = mounts_of_claim(job, c, "dpserve-data")
+    for path in (cfg.model, cfg.data, cfg.output):
+        assert under(str(path), mounts)
+    if cfg.nnodes == 1:
+        assert name == "single-node" and cfg.rdzv_endpoint is None
+        return
+    host, port = cfg.rdzv_endpoint.rsplit(":", 1)
+    subdomain = pod_spec(job)["subdomain"]
+    assert host == f"{job['metadata']['name']}-0.{subdomain}"  # Indexed Job pod 0's name
+    service = find(objs, "Service", subdomain)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert selects(service["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
+    assert named_port(c, "rdzv") == int(port)
+
+
+# -- monitoring --------------------------------------------------------------------------
+
+
+def test_prometheus_scrapes_router_metrics_and_engine_metrics_through_the_router(overlay):
+    _, objs = overlay
+    config = yaml.safe_load(find(objs, "ConfigMap", "dpserve-prometheus-scrape")["data"][
+        "scrape-configs.yml"])
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    paths = router_paths()
+    assert {j["metrics_path"] for j in jobs.values()} == {"/metrics", "/metrics/engines"}
+    assert all(j["metrics_path"] in paths for j in jobs.values())
+    (target,) = jobs["dpserve-engines"]["static_configs"][0]["targets"]
+    service = find(objs, "Service", "dpserve-router")
+    assert target == f"dpserve-router.{service['metadata']['namespace']}.svc:" \
+                     f"{service['spec']['ports'][0]['port']}"
+    assert not re.search(r"dpserve-engine[.:]", str(config))  # only routers reach engines
+
+
+def test_routers_keep_one_pod_through_disruptions(overlay):
+    _, objs = overlay
+    pdb = find(objs, "PodDisruptionBudget", "dpserve-router")
+    router = find(objs, "Deployment", "dpserve-router")
+    assert pdb["spec"]["minAvailable"] == 1 < router["spec"]["replicas"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"],
+                   router["spec"]["template"]["metadata"]["labels"])
+
+
+def test_rendering_does_not_touch_the_sources():
+    before = {p: p.read_bytes() for p in K8S.rglob("*.yaml")}
+    copy.deepcopy(render_subset(K8S / "overlays" / "multi-node"))
+    assert before == {p: p.read_bytes() for p in K8S.rglob("*.yaml")}
