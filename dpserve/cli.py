@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--deploy-lock", metavar="FILE",
                         help="lock file on storage shared by every router: one deploy at a "
                              "time across them")
+    router.add_argument("--deployed-link", metavar="LINK",
+                        help="symlink pointed at each successfully deployed checkpoint, "
+                             "for engines restarted later to load")
     router.add_argument("--base-model", metavar="DIR",
                         help="local model directory the replicas were started on; "
                              "`dpserve deploy` checks checkpoints against it")

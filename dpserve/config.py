@@ -14,7 +14,7 @@ YAML layout (every key optional)::
     replicas: 2
     router:
       port: 8000
-      policy: least-outstanding
+      policy: prefix-affinity
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ class RouterConfig:
     """Address the OpenAI API listens on. Replicas always stay on loopback."""
     port: int = 8000
     """Port of the OpenAI API."""
-    policy: str = "least-outstanding"
-    """Replica selection: `least-outstanding` (fewer in flight of two random replicas),
-    `round-robin`, `session-affinity` (X-Session-Id or `user`), `prefix-affinity`
-    (prompt start) or `engine-load` (the engines' own queue and KV-cache reports)."""
+    policy: str = "prefix-affinity"
+    """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
+    spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
+    `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the
+    engines' own queue and KV-cache reports). Why the default: benchmarks/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
     connect_timeout_s: float = 5.0
@@ -71,9 +72,9 @@ class RouterConfig:
     """Longest delay between two attempts of one request."""
     prefix_chars: int = 256
     """`prefix-affinity`: leading characters of the prompt (or rendered messages) hashed."""
-    load_factor: float = 1.25
+    load_factor: float = 2.0
     """Affinity policies: a replica takes a key's request only while its in-flight count
-    is under `load_factor` x the fleet average (consistent hashing with bounded loads)."""
+    is under `load_factor` x the fleet average (bounded loads)."""
     engine_scrape_interval_s: float = 1.0
     """`engine-load`: period of reading every replica's /metrics (queue, KV cache)."""
     max_in_flight_per_replica: int = 0
@@ -114,6 +115,10 @@ class RouterConfig:
     deploy_lock_ttl_s: float = 60.0
     """A deploy lock not renewed for this long is taken to be abandoned (its router
     died) and may be taken over; the holder renews it every third of it."""
+    deployed_link: str | None = None
+    """Symbolic link pointed at each checkpoint once its deploy succeeds. Engines started
+    on it (and a router's `--base-model` naming it) load what is deployed, not the weights
+    they first started on, when they are restarted later."""
     log_level: str = "info"
     """Log level of the router and supervisor (debug, info, warning, error)."""
     api_key: str | None = field(default=None, repr=False)

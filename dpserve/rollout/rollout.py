@@ -38,6 +38,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -123,6 +124,8 @@ class Rollout:
         self._served: ModelFingerprint | None = None
         self._lock: DeployLock | None = None
         self._hot_loading: set[str] = set()
+        self.deployed_link: str | None = None
+        """Symlink pointed at each checkpoint whose deploy succeeded (see point_link)."""
 
     def use_lock(self, lock: DeployLock) -> None:
         """Hold `lock` (shared by every router) for the whole of each deploy."""
@@ -227,6 +230,8 @@ class Rollout:
                 run = _Run(progress, options, client)
                 error = await self._forward(run, target)
                 if error is None:
+                    if self.deployed_link is not None:
+                        await self._point_link(progress, target)
                     self._finish(progress, DeployState.SUCCEEDED)
                     return
                 self._deployed.current = previous
@@ -257,6 +262,16 @@ class Rollout:
                 await asyncio.to_thread(self._lock.renew)
             except (LockLost, OSError) as exc:
                 progress.event(f"deploy lock: {exc}", level=logging.ERROR)
+
+    async def _point_link(self, progress: DeployProgress, target: Weights) -> None:
+        assert self.deployed_link is not None
+        try:
+            await asyncio.to_thread(point_link, Path(self.deployed_link), Path(target.path))
+        except OSError as exc:  # the replicas serve it; only later restarts are affected
+            progress.event(f"could not point {self.deployed_link} at {target.path}: {exc}",
+                           level=logging.ERROR)
+        else:
+            progress.event(f"{self.deployed_link} -> {target.path}")
 
     async def _release_lock(self) -> None:
         if self._lock is not None:
@@ -443,6 +458,18 @@ class Rollout:
                 raise _StepFailed(f"{replica.id}: {rp.error}")
             await asyncio.sleep(_POLL_S * 4)
         rp.note = None
+
+
+def point_link(link: Path, target: Path) -> None:
+    """Make `link` a symlink to `target`, atomically: a reader sees the old target or the
+    new one, never no link (a new link is renamed over the old one)."""
+    tmp = link.with_name(f".{link.name}.{secrets.token_hex(4)}")
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 async def _timed(steps: dict[str, float], name: str, step: Awaitable[object]) -> None:

@@ -107,6 +107,8 @@ class Router:
         if rollout is not None and self.config.deploy_lock is not None:
             rollout.use_lock(DeployLock(self.config.deploy_lock,
                                         ttl_s=self.config.deploy_lock_ttl_s))
+        if rollout is not None and self.config.deployed_link is not None:
+            rollout.deployed_link = self.config.deployed_link
         if self.config.discover is not None:
             self.discovery = Discovery(
                 self.pool, parse_target(self.config.discover),

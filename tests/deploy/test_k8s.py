@@ -295,6 +295,10 @@ def test_routers_share_the_deploy_lock_and_the_base_model_on_the_checkpoint_volu
     mounts = mounts_of_claim(router, c, "dpserve-data")
     assert mounts and not any(m.get("readOnly") for m in mounts)  # the lock is written
     assert under(ns.deploy_lock, mounts) and under(ns.base_model, mounts)
+    # Engines start on the link a successful deploy re-points, so a restarted engine
+    # serves what routers believe it serves.
+    engine_model = engine_args(find(objs, "StatefulSet", "dpserve-engine"))
+    assert ns.deployed_link == ns.base_model == engine_model[engine_model.index("--model") + 1]
     assert ns.graceful_shutdown_s < pod_spec(router)["terminationGracePeriodSeconds"]
     keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
     assert set(keys) == {"DPSERVE_ADMIN_KEY", "DPSERVE_API_KEYS"}  # never on the command line
@@ -414,3 +418,17 @@ def test_rendering_does_not_touch_the_sources():
     before = {p: p.read_bytes() for p in K8S.rglob("*.yaml")}
     copy.deepcopy(render_subset(K8S / "overlays" / "multi-node"))
     assert before == {p: p.read_bytes() for p in K8S.rglob("*.yaml")}
+
+
+def test_the_scrape_configuration_passes_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+    objs = render(K8S / "overlays" / "multi-node")
+    scrape = yaml.safe_load(find(objs, "ConfigMap", "dpserve-prometheus-scrape")["data"][
+        "scrape-configs.yml"])
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, **scrape}))
+    done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr

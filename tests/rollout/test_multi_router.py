@@ -17,7 +17,7 @@ from aiohttp import web
 
 from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import Rollout
+from dpserve.rollout.rollout import Rollout, point_link
 from dpserve.router.app import Router, build_app
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.serve import bind_socket
@@ -51,13 +51,14 @@ class PausableFake(FakeReplica):
 
 
 @contextlib.asynccontextmanager
-async def router_on(urls: list[str], model: Path, lock: Path) -> AsyncIterator[
+async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
         tuple[str, Router]]:
-    """A router set up as on Kubernetes: knows the model, shares the lock, routes around
-    paused replicas. Its rollout exists before it starts, as in `dpserve router`."""
+    """A router set up as on Kubernetes: knows the model through the deployed link, shares
+    the lock, routes around paused replicas. Its rollout exists before it starts, as in
+    `dpserve router`."""
     config = RouterConfig(health_interval_s=0.1, route_around_paused=True,
-                          deploy_lock=str(lock))
-    deployed = Deployed(weights_for(str(model)))
+                          deploy_lock=str(lock), deployed_link=str(link))
+    deployed = Deployed(weights_for(str(link)))
     pool = ReplicaPool([Replica(id=f"r{i}", url=u, weight_version=deployed.current.version)
                         for i, u in enumerate(urls)])
     router = Router(pool, config)
@@ -96,10 +97,12 @@ async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
         tiny_model, checkpoint, tmp_path):
     fakes = [await PausableFake(f"f{i}").start() for i in range(2)]
     lock = tmp_path / "shared" / "deploy.lock"
+    link = tmp_path / "current"  # what engines (re)start on
+    link.symlink_to(tiny_model)
     urls = [f.url for f in fakes]
     try:
-        async with router_on(urls, tiny_model, lock) as (a_url, a), \
-                router_on(urls, tiny_model, lock) as (b_url, b), \
+        async with router_on(urls, link, lock) as (a_url, a), \
+                router_on(urls, link, lock) as (b_url, b), \
                 httpx.AsyncClient(timeout=30) as c:
             await wait_for(lambda: len(a.pool.ready()) == len(b.pool.ready()) == 2,
                            "both routers see both replicas ready")
@@ -126,8 +129,20 @@ async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
             await a.rollout.wait()
             assert a.rollout.latest().state.value == "succeeded"
             assert not lock.exists()  # released: the next deploy may run on any router
+            assert link.resolve() == checkpoint.resolve()  # engines restarted now load it
+            assert weights_for(str(link)).version == a.rollout.latest().version
             await wait_for(lambda: len(b.pool.ready()) == 2, "router B takes both back")
             assert all(f.weights == str(checkpoint) for f in fakes)
     finally:
         for fake in fakes:
             await fake.stop()
+
+
+def test_the_deployed_link_is_replaced_atomically(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    link = tmp_path / "current"
+    point_link(link, tmp_path / "a")
+    point_link(link, tmp_path / "b")
+    assert link.resolve() == tmp_path / "b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "current"]
