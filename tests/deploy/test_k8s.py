@@ -427,8 +427,19 @@ def test_the_scrape_configuration_passes_promtool(tmp_path):
     objs = render(K8S / "overlays" / "multi-node")
     scrape = yaml.safe_load(find(objs, "ConfigMap", "dpserve-prometheus-scrape")["data"][
         "scrape-configs.yml"])
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, **scrape}))
-    done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True,
-                          text=True, timeout=60, check=False)
+
+    def check(scrape: Obj) -> subprocess.CompletedProcess[str]:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({"global": {"scrape_interval": "15s"}, **scrape}))
+        return subprocess.run([promtool, "check", "config", str(config)], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    done = check(scrape)
+    if "field kubernetes_sd_configs not found" in done.stdout + done.stderr:
+        # Debian's build leaves Kubernetes discovery out: check everything else (the
+        # relabelling included) with a static target in its place.
+        for job in scrape["scrape_configs"]:
+            if job.pop("kubernetes_sd_configs", None) is not None:
+                job["static_configs"] = [{"targets": ["router.example:8000"]}]
+        done = check(scrape)
     assert done.returncode == 0, done.stdout + done.stderr
