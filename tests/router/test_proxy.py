@@ -50,7 +50,7 @@ async def test_round_robin_alternates_between_replicas(fake_replicas):
 async def test_least_outstanding_avoids_the_busy_replica(fake_replicas):
     a = await fake_replicas("a", chunks=20, chunk_delay_s=0.05)
     b = await fake_replicas("b", chunks=20, chunk_delay_s=0.05)
-    async with running_router([a.url, b.url]) as (base, _):
+    async with running_router([a.url, b.url], policy="least-outstanding") as (base, _):
         async with httpx.AsyncClient(timeout=10) as c:
             # While a stream holds one replica, the next request must go to the other.
             async with c.stream("POST", base + "/v1/completions",

@@ -52,7 +52,7 @@ def make_policy(
     if name == "session-affinity":
         return SessionAffinity(load_factor=load_factor, rng=rng)
     if name == "prefix-affinity":
-        return PrefixAffinity(prefix_chars=prefix_chars, load_factor=load_factor, rng=rng)
+        return PrefixAffinity(prefix_chars=prefix_chars, load_factor=load_factor, clock=clock)
     if name == "engine-load":
         return EngineLoadPolicy(clock=clock, rng=rng)
     raise ValueError(f"unknown policy {name!r}")

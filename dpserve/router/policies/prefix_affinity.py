@@ -1,44 +1,92 @@
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from dpserve.router.policies.base import RequestInfo
-from dpserve.router.policies.consistent_hash import (
-    DEFAULT_LOAD_FACTOR,
-    DEFAULT_VNODES,
-    BoundedLoadHash,
-)
+from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR, stable_hash
 from dpserve.router.policies.keys import DEFAULT_PREFIX_CHARS
-from dpserve.router.policies.least_outstanding import LeastOutstanding
+from dpserve.router.policies.recent_work import DEFAULT_HALF_LIFE_S, RecentWork, under_cap
 from dpserve.router.pool import Replica
+
+DEFAULT_MAX_KEYS = 65536
+"""Prefixes remembered (least recently used forgotten first): ~5 MB of table."""
 
 
 class PrefixAffinity:
-    """Requests whose prompts start alike on one replica, while it is not overloaded.
+    """Requests whose prompts start alike on one replica, while it is not overloaded;
+    everything else spread by what each replica was sent lately.
 
     vLLM reuses the KV blocks of a prefix it has already computed; many requests
     share a system prompt or few-shot preamble, so sending them to one replica
-    turns their prefill into cache hits. The key is the model name and the
-    first `prefix_chars` characters of `RequestInfo.prefix` — a cheap stand-in
-    for a token-level prefix tree. Bounded loads spill a hot prefix onto the
-    next replicas on the ring instead of queueing it on one. Requests without a
-    prefix go to the less loaded of two random replicas.
+    turns their prefill into cache hits. The key is the model name and the first
+    `prefix_chars` characters of `RequestInfo.prefix` — a cheap stand-in for a
+    token-level prefix tree.
+
+    A key seen for the first time gets a **home**: the replica chosen by
+    :class:`~dpserve.router.policies.recent_work.RecentWork` (least work sent
+    lately, among replicas under the bounded-load cap, `load_factor` x the
+    fleet's average in-flight). Later requests with the key go to the least
+    recently worked of its homes that is under the cap. When none is (a hot key),
+    the request is spread like a new key's and its replica becomes one more home:
+    a hot prefix ends up cached on as many replicas as its load needs, and no
+    more. Homes that left the candidates (down, draining, already tried by this
+    request) are skipped. Requests without a prefix are spread the same way.
+
+    Why a table and not consistent hashing (which this policy used before): with
+    a few dozen hot prefixes a hash ring gives some replicas two or three times
+    the keys of others, and bounded loads then spill the overloaded ones' keys
+    onto neighbours, which must cache them too. Placing each new key where the
+    least work went spreads keys as evenly as requests. On the simulated fleet
+    (32 tenants, 8 replicas, virtual clock) that took the hit rate from 82% to
+    89% and p99 TTFT from 970 ms to ~580 ms, and on prompts with nothing shared
+    it matches round robin (benchmarks/README.md). The cost: the table is this
+    router's own, so several router processes may each give a key its own home.
     """
 
     name = "prefix-affinity"
 
     def __init__(self, *, prefix_chars: int = DEFAULT_PREFIX_CHARS,
-                 load_factor: float = DEFAULT_LOAD_FACTOR, vnodes: int = DEFAULT_VNODES,
-                 rng: random.Random | None = None) -> None:
+                 load_factor: float = DEFAULT_LOAD_FACTOR, max_keys: int = DEFAULT_MAX_KEYS,
+                 half_life_s: float = DEFAULT_HALF_LIFE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if prefix_chars < 1:
             raise ValueError(f"prefix_chars must be >= 1, got {prefix_chars}")
+        if load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1.0, got {load_factor}")
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
         self.prefix_chars = prefix_chars
-        self._hash = BoundedLoadHash(load_factor=load_factor, vnodes=vnodes)
-        self._fallback = LeastOutstanding(rng=rng)
+        self.load_factor = load_factor
+        self.max_keys = max_keys
+        self._homes: OrderedDict[int, list[str]] = OrderedDict()
+        """Key hash -> ids of the replicas sent the key, least recently used key first."""
+        self._spread = RecentWork(half_life_s=half_life_s, clock=clock)
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
+        if not candidates:
+            return None
+        open_ = under_cap(candidates, self.load_factor)
         if not request.prefix:
-            return self._fallback.select(candidates, request)
-        key = f"{request.model or ''}\0{request.prefix[: self.prefix_chars]}"
-        return self._hash.select(candidates, key)
+            return self._send(self._spread.least(open_))
+        key = stable_hash(f"{request.model or ''}\0{request.prefix[: self.prefix_chars]}")
+        homes = self._homes.get(key)
+        if homes is None:
+            homes = self._homes[key] = []
+            if len(self._homes) > self.max_keys:
+                self._homes.popitem(last=False)
+        else:
+            self._homes.move_to_end(key)
+        by_id = {r.id: r for r in open_}
+        held = [by_id[rid] for rid in homes if rid in by_id]
+        if held:
+            return self._send(self._spread.least(held))
+        chosen = self._spread.least(open_)
+        if chosen.id not in homes:
+            homes.append(chosen.id)
+        return self._send(chosen)
+
+    def _send(self, replica: Replica) -> Replica:
+        self._spread.charge(replica)
+        return replica

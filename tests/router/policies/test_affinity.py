@@ -1,4 +1,4 @@
-"""Session and prefix affinity: the policies around the bounded-load ring."""
+"""Session affinity (a bounded-load ring) and prefix affinity (homes in a table)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,36 @@ def test_the_model_is_part_of_the_key():
     assert len(homes) > 1
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_new_prefixes_get_homes_in_turn_and_keep_them():
+    pool = replicas(0, 0, 0, 0)
+    policy = PrefixAffinity(clock=Clock())
+    first = [policy.select(pool, prompt(f"tenant {k}: " + SYSTEM)).id for k in range(4)]
+    again = [policy.select(pool, prompt(f"tenant {k}: " + SYSTEM + "question")).id
+             for k in (2, 2, 0, 3, 1)]
+    assert first == ["r0", "r1", "r2", "r3"]
+    assert again == ["r2", "r2", "r0", "r3", "r1"]
+
+
+def test_a_new_prefix_goes_where_the_least_work_went_lately():
+    pool = replicas(0, 0, 0)
+    policy = PrefixAffinity(clock=Clock())
+    for _ in range(3):
+        policy.select(pool, prompt("hot: " + SYSTEM))  # r0, its home, three times
+    assert [policy.select(pool, prompt(f"cold {k}: " + SYSTEM)).id for k in range(4)] == [
+        "r1", "r2", "r1", "r2"]
+
+
 def test_a_hot_prefix_spills_once_its_replica_is_at_the_bound():
     pool = replicas(3, 3, 3, 3)
-    policy = PrefixAffinity(load_factor=1.25)
+    policy = PrefixAffinity(load_factor=1.25, clock=Clock())
     home = policy.select(pool, prompt(SYSTEM))
     home.in_flight = 5  # 14 in flight + 1 new over 4 replicas, 25% slack: capacity 5
     spill = policy.select(pool, prompt(SYSTEM))
@@ -87,7 +114,42 @@ def test_a_hot_prefix_spills_once_its_replica_is_at_the_bound():
     assert policy.select(pool, prompt(SYSTEM)) is home
 
 
-def test_requests_without_a_prompt_use_the_less_loaded_of_two_random_replicas():
-    pool = replicas(2, 0)
-    policy = PrefixAffinity(rng=ScriptedRandom((0, 1)))
-    assert policy.select(pool, prompt(None)).id == "r1"
+def test_a_spilled_prefix_keeps_its_second_home_too():
+    pool = replicas(3, 3, 3, 3)
+    policy = PrefixAffinity(load_factor=1.25, clock=Clock())
+    assert policy.select(pool, prompt(SYSTEM)).id == "r0"
+    pool[0].in_flight = 5
+    assert policy.select(pool, prompt(SYSTEM)).id == "r1"  # spilled: r1 is a home now
+    pool[0].in_flight = 4
+    # both homes open, equal work: the one after the last chosen in turn, then the other
+    assert [policy.select(pool, prompt(SYSTEM)).id for _ in range(3)] == ["r0", "r1", "r0"]
+
+
+def test_a_home_that_left_the_candidates_is_replaced():
+    pool = replicas(0, 0, 0)
+    policy = PrefixAffinity(clock=Clock())
+    assert policy.select(pool, prompt(SYSTEM)).id == "r0"
+    assert policy.select(pool[1:], prompt(SYSTEM)).id == "r1"  # r0 down, or tried already
+    assert policy.select(pool, prompt(SYSTEM)).id in {"r0", "r1"}
+    assert policy.select(pool[1:], prompt(SYSTEM)).id == "r1"
+
+
+def test_the_least_recently_used_prefixes_are_forgotten_past_max_keys():
+    pool = replicas(0, 0, 0, 0)
+    policy = PrefixAffinity(max_keys=2, clock=Clock())
+    assert [policy.select(pool, prompt(k)).id for k in ("a", "b", "a", "c")] == [
+        "r0", "r1", "r0", "r2"]  # "b" is the least recently used of three: forgotten
+    assert policy.select(pool, prompt("a")).id == "r0"
+    assert policy.select(pool, prompt("b")).id == "r3"  # a new key: least work lately
+
+
+def test_requests_without_a_prompt_are_spread_in_turn():
+    pool = replicas(2, 0, 1)
+    policy = PrefixAffinity(clock=Clock())
+    assert [policy.select(pool, prompt(None)).id for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+
+
+def test_requests_without_a_prompt_skip_a_replica_over_the_bound():
+    pool = replicas(9, 3, 3, 1)  # capacity at load factor 2: 9
+    policy = PrefixAffinity(load_factor=2.0, clock=Clock())
+    assert [policy.select(pool, prompt(None)).id for _ in range(4)] == ["r1", "r2", "r3", "r1"]
