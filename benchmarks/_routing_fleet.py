@@ -4,10 +4,16 @@ The fleet runs as ``python -m dpserve.sim --replicas N --config sim.yaml`` in a
 process group of its own (so the engines' event loop shares nothing with the
 router or the load generator) and is started afresh for every run: cold prefix
 caches, zeroed counters, no requests left over from the run before.
+
+The simulator is only as exact as its event loop is punctual. Each run's
+``dpserve_sim_step_timing_error_seconds`` says how punctual it was
+(``FleetDelta.distorted``), and ``wait_for_quiet`` holds a run back while
+other processes keep the machine's cores busy.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -188,3 +194,44 @@ def delta(before: FleetSample, after: FleetSample) -> FleetDelta:
         steps=steps, late_share=share(over(LATE_S)), very_late_share=share(over(VERY_LATE_S)),
         resyncs=over(RESYNC_S), mean_error_ms=1e3 * error_s / steps if steps else None,
         unreadable=after.unreadable)
+
+
+def busy_cores(interval_s: float = 1.0) -> float:
+    """Cores' worth of CPU the whole machine used over ``interval_s`` (/proc/stat)."""
+
+    def read() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = read()
+        time.sleep(interval_s)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    cores = os.cpu_count() or 1
+    return cores * (1 - (idle1 - idle0) / max(total1 - total0, 1e-9))
+
+
+def wait_for_quiet(max_busy: float, max_wait_s: float) -> float:
+    """Wait (at most ``max_wait_s``) until other work uses under ``max_busy`` cores.
+
+    Between runs none of the benchmark's processes run, so what is busy is someone
+    else's; starting a run then would measure the machine, not the router. Returns
+    the seconds waited.
+    """
+    start = time.monotonic()
+    said = False
+    while time.monotonic() - start < max_wait_s:
+        busy = busy_cores(2.0)
+        if busy < max_busy:
+            break
+        if not said:
+            print(f"  waiting up to {max_wait_s:.0f} s: other processes keep {busy:.1f} cores "
+                  "busy", flush=True)
+            said = True
+    waited = time.monotonic() - start
+    if said:
+        print(f"  started after {waited:.0f} s", flush=True)
+    return round(waited, 1)

@@ -2,7 +2,7 @@
 
 One table per workload, one row per (router, policy), and two targets:
 
-- **p99 TTFT**: dpserve's default policy (least-outstanding) is no worse than
+- **p99 TTFT**: dpserve's default policy (``RouterConfig().policy``) is no worse than
   the best vllm-router policy, on each workload;
 - **prefix-cache hit rate**: dpserve's prefix-affinity at least matches
   vllm-router's cache_aware, on each workload where prompts share prefixes
@@ -19,7 +19,9 @@ from typing import Any
 
 from _routing_fleet import FleetDelta
 
-DEFAULT_POLICY = "least-outstanding"
+from dpserve.config import RouterConfig
+
+DEFAULT_POLICY = RouterConfig().policy
 PREFIX_POLICY, CACHE_AWARE = "prefix-affinity", "cache_aware"
 MIN_SHARED_HIT_RATE = 0.01
 

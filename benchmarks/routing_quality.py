@@ -23,7 +23,7 @@ Workloads (``_routing_workloads.py``, exact lengths in simulator tokens):
 (median 96), capped by max_model_len; ``tenants`` 32 tenants, each a 2,000-token
 system prompt then a 20-100 token question, interleaved, ``user: tenant-K``.
 
-Targets, printed as PASS/FAIL: dpserve's default policy (least-outstanding)
+Targets, printed as PASS/FAIL: dpserve's default policy (prefix-affinity)
 has p99 TTFT no worse than the best vllm-router policy on each workload;
 dpserve's prefix-affinity hit rate at least matches cache_aware's.
 
@@ -150,7 +150,7 @@ class Bench:
         the least distorted attempt is kept, the others are summarized in it."""
         attempts: list[RunRow] = []
         for attempt in range(1 + self.args.retries):
-            waited = wait_for_quiet(self.args.quiet_cores, self.args.quiet_wait)
+            waited = fleet.wait_for_quiet(self.args.quiet_cores, self.args.quiet_wait)
             row = self.run(workload, prompts, router)
             row.quiet_wait_s = waited
             row.load_average = os.getloadavg()[0]
@@ -238,47 +238,6 @@ class Bench:
             print(f"  load run exited with code {code}:\n{load.log_tail(5)}", flush=True)
             return None
         return dict(json.loads(result.read_text()))
-
-
-def busy_cores(interval_s: float = 1.0) -> float:
-    """Cores' worth of CPU the whole machine used over ``interval_s`` (/proc/stat)."""
-
-    def read() -> tuple[float, float]:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        total0, idle0 = read()
-        time.sleep(interval_s)
-        total1, idle1 = read()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    cores = os.cpu_count() or 1
-    return cores * (1 - (idle1 - idle0) / max(total1 - total0, 1e-9))
-
-
-def wait_for_quiet(max_busy: float, max_wait_s: float) -> float:
-    """Wait (at most ``max_wait_s``) until other work uses under ``max_busy`` cores.
-
-    Between runs none of the benchmark's processes run, so what is busy is someone
-    else's; starting a run then would measure the machine, not the router. Returns
-    the seconds waited.
-    """
-    start = time.monotonic()
-    said = False
-    while time.monotonic() - start < max_wait_s:
-        busy = busy_cores(2.0)
-        if busy < max_busy:
-            break
-        if not said:
-            print(f"  waiting up to {max_wait_s:.0f} s: other processes keep {busy:.1f} cores "
-                  "busy", flush=True)
-            said = True
-    waited = time.monotonic() - start
-    if said:
-        print(f"  started after {waited:.0f} s", flush=True)
-    return round(waited, 1)
 
 
 def _wait_ready(service: Service, url: str, kind: str, replicas: int) -> None:
