@@ -13,9 +13,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import http.server
+import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -443,3 +447,49 @@ def test_the_scrape_configuration_passes_promtool(tmp_path):
                 job["static_configs"] = [{"targets": ["router.example:8000"]}]
         done = check(scrape)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+class _FakeEngineMetrics(http.server.BaseHTTPRequestHandler):
+    """A fake engine's /metrics in vLLM's text format: busy for the first `busy` scrapes."""
+
+    busy = 2
+    scrapes = 0
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.scrapes += 1
+        running = 1 if cls.scrapes <= cls.busy else 0
+        body = ("# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{engine="0",model_name="model"}} {running}.0\n'
+                'vllm:num_requests_waiting{engine="0",model_name="model"} 0.0\n').encode()
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_engines_prestop_hook_waits_until_vllm_has_nothing_running(tmp_path):
+    engine = find(render(K8S / "base"), "StatefulSet", "dpserve-engine")
+    (c,) = pod_spec(engine)["containers"]
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python", "-c"]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeEngineMetrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        script = command[2].replace("127.0.0.1:8000", f"127.0.0.1:{server.server_port}")
+        env = {"PATH": os.environ["PATH"], "DRAIN_DELAY_S": "0"}
+        done = subprocess.run([sys.executable, "-c", script], env=env, timeout=60,
+                              capture_output=True, text=True, check=False)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr
+    assert _FakeEngineMetrics.scrapes == _FakeEngineMetrics.busy + 1  # left once idle
+    # An engine that already stopped answering ends the wait at once.
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=30,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
