@@ -45,6 +45,7 @@ from tests.rollout.checkpoints import edit_json, other_vocabulary, perturbed, wr
 pytestmark = pytest.mark.vllm
 
 NEW_TOKENS = 8
+LONG_CONTEXT = 2048  # the tiny model's max_position_embeddings
 # CPU vLLM caches prefixes in blocks of 128 tokens: a prefix this long fills blocks.
 SHARED_PREFIX = "The old road ran past the market and the river, and the baker said " * 12
 PROMPTS = [SHARED_PREFIX + tail for tail in ("rain.", "a small boat.", "my sister.")]
@@ -75,8 +76,10 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("deploy")
     port = free_port()
     log_path = work / "serve.log"
-    cmd = serve_command(tiny_model, replicas=2, port=port, served_name=MODEL_NAME,
-                        run_dir=work / "runs")
+    # The model's full context (vLLM takes the last --max-model-len): room for a generation
+    # long enough to hold a replica in `draining` through a rollout's first steps.
+    cmd = [*serve_command(tiny_model, replicas=2, port=port, served_name=MODEL_NAME,
+                          run_dir=work / "runs"), "--max-model-len", str(LONG_CONTEXT)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
                                 start_new_session=True)
@@ -298,15 +301,30 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     long_result: dict[str, object] = {}
 
     def long_stream() -> None:
+        try:
+            hold()
+        except Exception as exc:  # shown by the polls below, not lost in the thread
+            long_result["events"] = [f"{type(exc).__name__}: {exc}"]
+
+    def hold() -> None:
         with httpx.stream("POST", base + "/v1/completions", timeout=300, json={
-            "model": MODEL_NAME, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
-            "stream": True}) as r:
+            "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8,
+            "ignore_eos": True, "stream": True}) as r:
             long_result["replica"] = r.headers["x-dpserve-replica"]
             long_result["events"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
 
     holder = threading.Thread(target=long_stream)
     holder.start()
-    poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "the long stream to start on r1")
+
+    def ended_early() -> str:
+        events = long_result.get("events", [])
+        return f"the long stream ended early ({len(events)} events, last {events[-1:]})"
+
+    def held_on_r1() -> bool:
+        assert "events" not in long_result, ended_early()
+        return f.replicas()[1]["in_flight"] == 1
+
+    poll(held_on_r1, 30, "the long stream to start on r1")
     admin.post("/admin/replicas/r0/undrain")
     poll(f.all_ready, 30, "r0 back in rotation")
     r1_pid, _ = f.d.replicas()["r1"]
@@ -316,8 +334,16 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
             started = start_deploy(f, f.other, drain_wait_s=600)
             assert started.status_code == 202, started.text
             deploy_id = started.json()["id"]
-            poll(lambda: [r["phase"] for r in deploy_record(f, deploy_id)["replicas"]]
-                 == ["done", "draining"], 120, "r0 reloaded and r1 draining")
+            seen: list[list[str]] = []
+
+            def r1_draining() -> bool:
+                phases = [r["phase"] for r in deploy_record(f, deploy_id)["replicas"]]
+                if not seen or seen[-1] != phases:
+                    seen.append(phases)
+                assert "events" not in long_result, f"{ended_early()}; phases: {seen}"
+                return phases == ["done", "draining"]
+
+            poll(r1_draining, 120, "r0 reloaded and r1 draining")
             poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "only the long stream left on r1")
             os.killpg(r1_pid, signal.SIGKILL)  # the engine dies mid-rollout
             record = poll(lambda: (rec := deploy_record(f, deploy_id))["done"] and rec, 120,
