@@ -31,14 +31,20 @@ from dpserve.router.pool import Replica
 DEFAULT_HALF_LIFE_S = 2.0
 """About the time a replica takes to work through a burst of prefills; the choice
 is insensitive to it between 1 and 30 s on the simulated fleet."""
+MIN_CAP = 4
+"""The cap never drops below this. On a nearly idle fleet bounded loads cap a replica
+at 1, so a prefix's second concurrent request would leave its home (and miss its
+cache) although no engine is anywhere near full; an engine runs a few requests per
+step at about the cost of one."""
 MAX_TRACKED = 1024
 """Past this many replica ids, those whose work has decayed to nothing are dropped."""
 
 
 def under_cap(candidates: Sequence[Replica], load_factor: float) -> list[Replica]:
-    """Candidates under the bounded-load cap; never empty when `candidates` is not,
-    since the least loaded is at or below the average."""
-    cap = capacity(sum(r.in_flight for r in candidates), len(candidates), load_factor)
+    """Candidates under the bounded-load cap (at least MIN_CAP); never empty when
+    `candidates` is not, since the least loaded is at or below the average."""
+    cap = max(MIN_CAP, capacity(sum(r.in_flight for r in candidates), len(candidates),
+                                load_factor))
     return [r for r in candidates if r.in_flight < cap] or list(candidates)
 
 

@@ -54,6 +54,13 @@ def test_replicas_at_the_bounded_load_cap_are_left_out():
     assert [r.id for r in under_cap(pool, 3.0)] == ["r0", "r1", "r2", "r3"]
 
 
+def test_on_a_nearly_idle_fleet_the_cap_is_never_below_min_cap():
+    pool = replicas(3, 0, 0, 0)  # bounded loads alone: capacity 2 at load factor 2
+    assert [r.id for r in under_cap(pool, 2.0)] == ["r0", "r1", "r2", "r3"]
+    pool[0].in_flight = 4
+    assert [r.id for r in under_cap(pool, 2.0)] == ["r1", "r2", "r3"]
+
+
 def test_a_half_life_must_be_positive():
     with pytest.raises(ValueError, match="half_life_s"):
         RecentWork(half_life_s=0)
