@@ -4,7 +4,7 @@
     dpserve router --replica URL [--replica URL ...] | --discover dns://NAME:PORT [--base-model DIR]
     dpserve deploy CHECKPOINT_DIR | --watch OUTPUT_DIR [--router URL]
     dpserve status [--router URL]
-    dpserve demo [--model DIR]
+    dpserve demo [--model DIR] [--steps N] [--run-dir DIR]
     dpserve build-tiny-model --output DIR
 """
 
@@ -132,11 +132,24 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(finetune, launcher=True)
 
-    demo = sub.add_parser("demo", help="serve the built-in tiny model and talk to it")
+    from dpserve.demo import DEFAULT_STEPS as DEFAULT_DEMO_STEPS
+
+    demo = sub.add_parser(
+        "demo", help="serve the tiny model, fine-tune it and hot-deploy the checkpoint",
+        description="Serve the built-in tiny model, ask it held-out questions, fine-tune it "
+                    "with DDP, deploy the checkpoint under load and ask again; offline.")
     demo.add_argument("--model", default="build/tiny-llama",
                       help="where the tiny model is (built there if missing)")
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
+    demo.add_argument("--run-dir", default="runs",
+                      help="results go to RUN_DIR/demo-<timestamp>/ (default ./runs)")
+    demo.add_argument("--steps", type=int, default=DEFAULT_DEMO_STEPS,
+                      help=f"fine-tuning steps (default {DEFAULT_DEMO_STEPS})")
+    demo.add_argument("--questions", type=int, default=9,
+                      help="held-out questions asked before and after (1-45, default 9)")
+    demo.add_argument("--load-duration-s", type=float, default=20.0,
+                      help="seconds the load test sends while the deploy runs (default 20)")
 
     build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
     build.add_argument("--output", default="build/tiny-llama")
@@ -201,10 +214,15 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         print(build_tiny_model(Path(ns.output), force=ns.force))
         return 0
     if ns.command == "demo":
-        from dpserve.demo import run_demo
+        from dpserve.demo import DemoOptions, run_demo
 
-        _setup_logging("info")
-        return run_demo(model_dir=Path(ns.model), replicas=ns.replicas, port=ns.port)
+        _setup_logging("warning")
+        if not 1 <= ns.questions <= 45:
+            raise ConfigError(f"questions: must be in 1..45, got {ns.questions}")
+        return run_demo(DemoOptions(
+            model_dir=Path(ns.model), replicas=ns.replicas, port=ns.port,
+            run_dir=Path(ns.run_dir), steps=ns.steps, questions=ns.questions,
+            load_duration_s=ns.load_duration_s))
 
     if ns.command == "finetune":
         from dpserve.finetune.config import build_finetune_config
