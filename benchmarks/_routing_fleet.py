@@ -114,13 +114,14 @@ def write_config(path: Path, overrides: dict[str, object] | None = None) -> Path
 
 
 def start_fleet(replicas: int, config: Path, log_dir: Path, services: list[Service], *,
-                processes: int = 1) -> list[str]:
-    """Start the fleet's process(es) and return its URLs once every replica answers /health."""
+                processes: int = 1, cwd: Path | None = None) -> list[str]:
+    """Start the fleet's process(es) and return its URLs once every replica answers /health.
+    With ``cwd``, ``python -m dpserve.sim`` imports the ``dpserve`` package found there."""
     argv = [sys.executable, "-m", "dpserve.sim", "--replicas", str(replicas),
             "--config", str(config)]
     if processes > 1:
         argv += ["--processes", str(processes)]
-    fleet = start_service("fleet", argv, log_dir)
+    fleet = start_service("fleet", argv, log_dir, cwd=cwd)
     services.append(fleet)
     deadline = time.monotonic() + START_TIMEOUT_S
     log = Path(log_dir / "fleet.log")

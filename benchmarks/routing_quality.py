@@ -30,6 +30,7 @@ dpserve's prefix-affinity hit rate at least matches cache_aware's.
     python benchmarks/routing_quality.py [--replicas 8] [--num-prompts 400]
         [--workloads uniform,heavy-tail,tenants] [--routers dpserve:least-outstanding,...]
         [--request-rate R] [--rate-scale X] [--json OUT] [--dpserve-config router.yaml]
+        [--dpserve-ref HEAD]
 
 Exit status: 0 when every run completed (targets met or not), 1 when a run
 could not be made (a router that fails to start is reported and skipped), 130 on Ctrl-C.
@@ -57,7 +58,7 @@ import _routing_workloads as workloads
 from _routing_report import RunRow, print_tables, verdicts
 from _services import HOST, Service, free_ports, http_call, start_service, stop_all
 from _tools import VLLM_ROUTER_SPEC, ensure_tool, vllm_router_version
-from router_overhead import vllm_router_argv
+from router_overhead import export_ref, vllm_router_argv
 
 DPSERVE_POLICIES = ("least-outstanding", "round-robin", "prefix-affinity", "session-affinity",
                     "engine-load")
@@ -100,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--quiet-cores", type=float, default=0.5,
         help="before a run, wait until other processes use fewer cores than this")
     add("--quiet-wait", type=float, default=120.0, help="longest such wait, seconds")
+    add("--dpserve-ref", metavar="REF",
+        help="run dpserve's router and the simulated fleet as committed at REF (git archive), "
+             "not from the working tree, which others may be editing")
     add("--vllm-router-spec", default=VLLM_ROUTER_SPEC, help="pip spec installed when absent")
     add("--json", type=Path, metavar="OUT", help="write every number here as JSON")
     add("--keep-logs", action="store_true", help="keep the temp dir with logs and prompts")
@@ -140,6 +144,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace, work_dir: Path, sim_config: Path,
                  vllm_router: str | None) -> None:
         self.args = args
+        self.src = export_ref(args.dpserve_ref, work_dir) if args.dpserve_ref else None
+        """Where ``python -m dpserve`` runs from: an exported ref, or None for the tree."""
         self.work_dir = work_dir
         self.sim_config = sim_config
         self.vllm_router = vllm_router
@@ -180,7 +186,8 @@ class Bench:
 
         try:
             urls = fleet.start_fleet(self.args.replicas, self.sim_config, self.work_dir,
-                                     self.services, processes=self.args.sim_processes)
+                                     self.services, processes=self.args.sim_processes,
+                                     cwd=self.src)
             phase("fleet_start")
             try:
                 url = self._start_router(kind, policy, urls, tag)
@@ -211,7 +218,8 @@ class Bench:
             if self.vllm_router is None:
                 raise RuntimeError("vllm-router is not installed")
             argv = vllm_router_argv(self.vllm_router, urls, port, metrics_port, policy)
-        service = start_service(f"router-{tag}", argv, self.work_dir)
+        service = start_service(f"router-{tag}", argv, self.work_dir,
+                                cwd=self.src if kind == "dpserve" else None)
         self.services.append(service)
         url = f"http://{HOST}:{port}"
         _wait_ready(service, url, kind, len(urls))
@@ -288,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 versions["vllm-router"] = vllm_router_version(vllm_router)
             except RuntimeError as exc:
                 print(f"note: vllm-router is not measured: {exc}")
+        versions["dpserve"] = _describe(args.dpserve_ref)
         sim_overrides = _read_yaml(args.sim_config)
         sim_config = fleet.write_config(work_dir / "sim.yaml", sim_overrides)
         max_model_len = int(dict(fleet.SIM_CONFIG | sim_overrides)["max_model_len"])
@@ -342,6 +351,14 @@ def _say(row: RunRow) -> None:
               f"{100 * (f.late_share or 0):.1f}% woke > 1 ms late, "
               f"{100 * (f.very_late_share or 0):.1f}% > 10 ms, {f.resyncs:.0f} > 100 ms; "
               f"mean miss {f.mean_error_ms or 0:.2f} ms", flush=True)
+
+
+def _describe(ref: str | None) -> str:
+    """The commit dpserve runs from (``+ working tree`` when it is not an exported ref)."""
+    out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse",
+                          "--short", ref or "HEAD"], capture_output=True, text=True, check=False)
+    commit = out.stdout.strip() or "?"
+    return commit if ref else f"{commit} + working tree"
 
 
 def _read_yaml(path: Path | None) -> dict[str, object]:
