@@ -29,8 +29,10 @@ Policies:
   request its prompt tokens instead of one unit: what the router could do if it
   were told prompt sizes; it is not).
 
-Prints, per policy, the median over seeds of p50/p99 TTFT (ms), the prefix-cache
-hit rate, the spread (most requests on one replica / mean) and preemptions.
+Prints, per policy, the median over seeds of p50/p99 TTFT (ms), output tokens/s
+(all output over the time from the first arrival to the last token), the
+prefix-cache hit rate, the spread (most requests on one replica / mean) and
+preemptions.
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals
     return {"ttft_p50_ms": float(np.median(t)), "ttft_p99_ms": float(np.percentile(t, 99)),
             "hit_rate": sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
             "spread": float(finished.max() / finished.mean()),
+            "output_tok_s": sum(r.output_tokens for r in reqs) / now[0],
             "preemptions": float(sum(s.preemptions for s in stats))}
 
 
@@ -270,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     print(f"{args.workload} at {args.rate:g} req/s, {args.num_prompts} requests, "
           f"{args.replicas} replicas, virtual clock; medians over arrival seeds {seeds}")
-    print(f"{'policy':<20}{'TTFT p50':>9}{'TTFT p99':>9}{'hit rate':>9}{'spread':>7}"
-          f"{'preempt':>8}   p99 per seed")
+    print(f"{'policy':<20}{'TTFT p50':>9}{'TTFT p99':>9}{'out tok/s':>10}{'hit rate':>9}"
+          f"{'spread':>7}{'preempt':>8}   p99 per seed")
     for policy in args.policies.split(","):
         runs = [simulate(args.workload, args.rate, policy, arrivals_seed=s,
                          num_prompts=args.num_prompts, replicas=args.replicas,
@@ -281,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return float(np.median([r[key] for r in runs]))
 
         print(f"{policy:<20}{med('ttft_p50_ms'):>9.0f}{med('ttft_p99_ms'):>9.0f}"
-              f"{100 * med('hit_rate'):>8.1f}%{med('spread'):>7.2f}{med('preemptions'):>8.0f}"
+              f"{med('output_tok_s'):>10.0f}{100 * med('hit_rate'):>8.1f}%"
+              f"{med('spread'):>7.2f}{med('preemptions'):>8.0f}"
               f"   {[round(r['ttft_p99_ms']) for r in runs]}", flush=True)
     return 0
 
