@@ -6,6 +6,7 @@
     dpserve status [--router URL]
     dpserve demo [--model DIR] [--steps N] [--run-dir DIR]
     dpserve build-tiny-model --output DIR
+    dpserve config-reference [--write FILE | --check FILE]
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                     "with DDP, deploy the checkpoint under load and ask again; offline.")
     demo.add_argument("--model", default="build/tiny-llama",
                       help="where the tiny model is (built there if missing)")
-    demo.add_argument("--replicas", type=int, default=2)
+    demo.add_argument("--replicas", type=int, default=2, help="replicas to serve on")
     demo.add_argument("--port", type=int, default=0, help="router port (default: a free one)")
     demo.add_argument("--run-dir", default="runs",
                       help="results go to RUN_DIR/demo-<timestamp>/ (default ./runs)")
@@ -151,10 +152,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--load-duration-s", type=float, default=20.0,
                       help="seconds the load test sends while the deploy runs (default 20)")
 
+    reference = sub.add_parser(
+        "config-reference", help="print the configuration reference (Markdown)",
+        description="Every setting, flag and environment variable, generated from the "
+                    "config model and this parser; README.md holds a copy.")
+    mode = reference.add_mutually_exclusive_group()
+    mode.add_argument("--write", metavar="FILE", help="replace the reference block in FILE")
+    mode.add_argument("--check", metavar="FILE", help="exit 1 if FILE's block is stale")
+
     build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
-    build.add_argument("--output", default="build/tiny-llama")
+    build.add_argument("--output", default="build/tiny-llama", help="directory to build into")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `dpserve` argument parser (the configuration reference is generated from it)."""
+    return _parser()
 
 
 def _flags(ns: argparse.Namespace) -> dict[str, Any]:
@@ -201,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(ns: argparse.Namespace, extra: list[str]) -> int:
+    if ns.command == "config-reference":
+        from dpserve.config_reference import run
+
+        return run(write=ns.write, check=ns.check)
     if ns.command in ("deploy", "status"):
         from dpserve.rollout.client import run_admin_command
 
