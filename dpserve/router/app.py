@@ -1,7 +1,7 @@
 """The router's ASGI application and the object that owns its resources.
 
-`Router` owns everything long-lived (the pool's health task, the aiohttp
-session of the data plane, the httpx client of the control plane) and closes
+`Router` owns everything long-lived (the pool's health task, the upstream
+connections of the data plane, the httpx client of the control plane) and closes
 it in `aclose`. `build_app` turns it into an ASGI app whose routes are an
 allow-list: the OpenAI API paths are forwarded (straight to their endpoint,
 see `DataPlaneFront`), the router answers `/health`, `/ready`, `/metrics` and
@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -41,6 +40,7 @@ from dpserve.router.health import EngineScraper, HealthChecker
 from dpserve.router.policies import make_policy
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.proxy import ProxyEndpoint
+from dpserve.router.upstream import UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
@@ -65,7 +65,7 @@ class Router:
         self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
                                   load_factor=config.load_factor)
         self.dispatcher = Dispatcher(pool, self.policy, config)
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._control: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._scrape_task: asyncio.Task[None] | None = None
@@ -89,19 +89,15 @@ class Router:
             self.metrics.set_breaker_state(replica.id, state.value)
         self.metrics.queue_depth.set(self.dispatcher.queue.waiting)
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def upstream(self) -> UpstreamPool:
+        if self._upstream is None:
             raise RuntimeError("Router.start() has not been called")
-        return self._session
+        return self._upstream
 
     async def start(self) -> None:
         # No connection cap: the policy and vLLM's scheduler bound concurrency;
         # a cap here would queue requests invisibly in the client.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            auto_decompress=False,  # pass bytes through as the replica sent them
-            skip_auto_headers=("User-Agent",),
-        )
+        self._upstream = UpstreamPool()
         self._control = httpx.AsyncClient()
         rollout = self.rollout
         if rollout is not None and self.config.deploy_lock is not None:
@@ -136,8 +132,8 @@ class Router:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._session is not None:
-            await self._session.close()
+        if self._upstream is not None:
+            self._upstream.close()
         if self._control is not None:
             await self._control.aclose()
 
@@ -170,7 +166,7 @@ def build_app(router: Router) -> DataPlaneFront:
     for path, method, has_body in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
-            metrics=router.metrics, session=router.session, has_body=has_body,
+            metrics=router.metrics, upstream=router.upstream, has_body=has_body,
         )
         forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))

@@ -13,10 +13,9 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import aiohttp
-
 from dpserve.router.errors import RouterError, error_body
 from dpserve.router.pool import Replica
+from dpserve.router.upstream import UpstreamResponse
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,10 +27,11 @@ REPLICA_HEADER = "x-dpserve-replica"
 WEIGHT_VERSION_HEADER = "x-dpserve-weight-version"
 
 # Headers that describe one hop, not the message (RFC 9110 §7.6.1), plus the
-# ones aiohttp/uvicorn recompute for us.
+# ones each hop sets itself (host, length; `expect: 100-continue` was answered by
+# the server in front, and the body is sent whole).
 _HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })
 _NOT_PASSED_BACK = _HOP_BY_HOP | {b"date", b"server", REQUEST_ID_HEADER.encode()}
 
@@ -103,18 +103,20 @@ def request_id(scope: Scope) -> str:
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
-def upstream_headers(scope: Scope, request_id: str) -> dict[str, str]:
-    headers = {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in scope["headers"]
-        if name not in _HOP_BY_HOP and name != b"x-request-id"
-    }
-    headers["x-request-id"] = request_id
-    return headers
+def upstream_header_block(scope: Scope, request_id: str, content_length: int | None) -> bytes:
+    """The client's headers for the replica, as the lines of an HTTP/1.1 head (the
+    blank line included), less the hop-by-hop ones, with the request id."""
+    lines = [name + b": " + value + b"\r\n" for name, value in scope["headers"]
+             if name not in _HOP_BY_HOP and name != b"x-request-id"]
+    lines.append(b"x-request-id: " + request_id.encode("latin-1") + b"\r\n")
+    if content_length is not None:
+        lines.append(b"content-length: %d\r\n" % content_length)
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 def downstream_headers(
-    resp: aiohttp.ClientResponse, request_id: str, replica: Replica
+    resp: UpstreamResponse, request_id: str, replica: Replica
 ) -> list[tuple[bytes, bytes]]:
     out = [(name.lower(), value) for name, value in resp.raw_headers
            if name.lower() not in _NOT_PASSED_BACK]

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from dpserve.router import upstream
+
 
 class Outcome(enum.StrEnum):
     """How one attempt at one replica ended, as far as the replica is concerned."""
@@ -78,6 +80,10 @@ def classify(status: int | None, error: BaseException | None) -> Outcome:
     connector error also an OSError.
     """
     if error is not None:
+        if isinstance(error, upstream.ConnectTimeout):
+            return Outcome.CONNECT_TIMEOUT
+        if isinstance(error, upstream.ConnectFailed):
+            return Outcome.CONNECT_FAILED
         if isinstance(error, aiohttp.ConnectionTimeoutError):
             return Outcome.CONNECT_TIMEOUT
         if isinstance(error, aiohttp.ClientConnectorError):

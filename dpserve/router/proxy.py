@@ -1,8 +1,9 @@
 """Forwarding one client request to the replicas, as a pure ASGI endpoint.
 
-The data plane: aiohttp for the upstream call (see ARCHITECTURE.md for why),
-raw ASGI on the client side (`dpserve.router.asgi`) so that a request costs as
-little as possible.
+The data plane: asyncio all the way (see ARCHITECTURE.md for why),
+raw ASGI on the client side (`dpserve.router.asgi`) and a minimal HTTP/1.1
+client on the replica side (`dpserve.router.upstream`), so that a request costs
+as little as possible.
 
 Order of events for one request:
 
@@ -29,9 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-from yarl import URL
-
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import RouterMetrics, status_class
 from dpserve.router.asgi import (
@@ -42,7 +40,7 @@ from dpserve.router.asgi import (
     downstream_headers,
     request_id,
     send_json_error,
-    upstream_headers,
+    upstream_header_block,
     watch_disconnect,
 )
 from dpserve.router.breaker import Outcome, classify
@@ -52,12 +50,13 @@ from dpserve.router.policies import RequestInfo
 from dpserve.router.policies.keys import prompt_prefix, session_id
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.retry import backoff, is_retryable
+from dpserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
 
-# Errors that mean "the connection broke": the replica may not have taken the request.
-_UNREACHABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError, aiohttp.ClientPayloadError)
+# Errors that mean "the connection broke or never was": `upstream`'s ConnectFailed
+# and Disconnected are OSErrors; its timeouts are TimeoutErrors.
+_UNREACHABLE = (OSError,)
 
 
 class _ClientGone(Exception):
@@ -75,7 +74,7 @@ class ProxyEndpoint:
         dispatcher: Dispatcher,
         config: RouterConfig,
         metrics: RouterMetrics,
-        session: Callable[[], aiohttp.ClientSession],
+        upstream: Callable[[], UpstreamPool],
         has_body: bool = True,
     ) -> None:
         self.route = route
@@ -83,30 +82,25 @@ class ProxyEndpoint:
         self._dispatch = dispatcher
         self._config = config
         self._metrics = metrics
-        self._session = session
+        self._upstream = upstream
         self._has_body = has_body
         self._wants_session = config.policy == "session-affinity"
         self._wants_prefix = config.policy == "prefix-affinity"
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s,
-            sock_read=config.first_byte_timeout_s,
-        )
-        # Per-request costs kept out of the hot path: parsed upstream URLs and the
-        # metric children of this route.
-        self._urls: dict[str, URL] = {}
+        # Per-request costs kept out of the hot path: parsed replica URLs, the request
+        # line, and the metric children of this route.
+        self._origins: dict[str, Origin] = {}
+        self._request_line = f"{'POST' if has_body else 'GET'} {route}".encode()
         self._duration = metrics.request_duration.labels(route)
         self._first_byte = metrics.time_to_first_byte.labels(route)
         self._counted: dict[tuple[str, int], Any] = {}
 
-    def _url(self, base: str, tail: str, query: bytes) -> URL | str:
-        if query:
-            return base + tail + "?" + query.decode("latin-1")
-        url = self._urls.get(base)
-        if url is None:
-            if len(self._urls) >= 1024:  # replicas come and go (discovery): stay bounded
-                self._urls.clear()
-            url = self._urls[base] = URL(base + tail)
-        return url
+    def _origin(self, base: str) -> Origin:
+        origin = self._origins.get(base)
+        if origin is None:
+            if len(self._origins) >= 1024:  # replicas come and go (discovery): stay bounded
+                self._origins.clear()
+            origin = self._origins[base] = Origin.parse(base)
+        return origin
 
     def _count(self, served_by: str, status: int) -> None:
         key = (served_by, status)
@@ -207,8 +201,9 @@ class ProxyEndpoint:
         self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, rid: str,
         replied: ReplyTracker, start: float,
     ) -> tuple[str, int]:
-        headers = upstream_headers(scope, rid)
         query = scope.get("query_string", b"")
+        line = self._request_line + (b"?" + query if query else b"")
+        headers = upstream_header_block(scope, rid, len(body) if self._has_body else None)
         attempts = self._config.max_attempts
         tried: list[str] = []
         last_error, last_status = "", 502
@@ -230,8 +225,7 @@ class ProxyEndpoint:
                         time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
             with self._dispatch.hold(slot):
-                url = self._url(slot.replica.url, scope["path"], query)
-                result = await self._attempt(slot, scope["method"], url, body, headers,
+                result = await self._attempt(slot, line, body, headers,
                                              stream, rid, replied, start,
                                              last=attempt == attempts)
             if isinstance(result, int):
@@ -248,7 +242,7 @@ class ProxyEndpoint:
                                          bytes_sent_to_client=False, stream=stream)
 
     async def _attempt(
-        self, slot: Slot, method: str, url: URL | str, body: bytes, headers: dict[str, str],
+        self, slot: Slot, line: bytes, body: bytes, headers: bytes,
         stream: bool, rid: str, replied: ReplyTracker, start: float, *, last: bool,
     ) -> int | str:
         """The status sent to the client, or why to try another replica.
@@ -256,11 +250,12 @@ class ProxyEndpoint:
         Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
         """
         replica = slot.replica
+        origin = self._origin(replica.url)
+        head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (line, origin.host_header, headers)
         try:
-            resp = await self._session().request(
-                method, url, data=body if self._has_body else None,
-                headers=headers, timeout=self._timeout, allow_redirects=False,
-            )
+            resp = await self._upstream().request(
+                origin, head, body, connect_timeout_s=self._config.connect_timeout_s,
+                head_timeout_s=self._config.first_byte_timeout_s)
         except (*_UNREACHABLE, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
             if slot.outcome is Outcome.CONNECT_FAILED:
@@ -283,7 +278,8 @@ class ProxyEndpoint:
             if stream and resp.content_type == "text/event-stream":
                 return await self._pass_stream(resp, slot, out_headers, replied, start)
             try:
-                payload = await resp.read()
+                async with asyncio.timeout(self._config.first_byte_timeout_s):
+                    payload = await resp.read()
             except (*_UNREACHABLE, TimeoutError) as exc:
                 slot.outcome = classify(None, exc)
                 if self._retry(slot, stream, last):
@@ -296,16 +292,16 @@ class ProxyEndpoint:
             await replied.body(payload, more=False)
             return resp.status
         finally:
-            resp.close()  # closes the connection if unread: vLLM sees the disconnect and aborts
+            resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts
 
     async def _pass_stream(
-        self, resp: aiohttp.ClientResponse, slot: Slot, headers: list[tuple[bytes, bytes]],
+        self, resp: UpstreamResponse, slot: Slot, headers: list[tuple[bytes, bytes]],
         replied: ReplyTracker, start: float,
     ) -> int | str:
         """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
         replica = slot.replica
         idle = self._config.stream_idle_timeout_s
-        reader = resp.content
+        reader = resp
         try:
             async with asyncio.timeout(self._config.first_byte_timeout_s):
                 first = await reader.readany()

@@ -1,0 +1,340 @@
+"""HTTP/1.1 to the replicas: pooled keep-alive connections parsed by httptools.
+
+The data plane's upstream client. It does what forwarding needs and nothing
+else: write the request in one buffer, parse the response with llhttp (through
+httptools, the parser uvicorn serves us with), hand its body over chunk by
+chunk as it arrives, and keep the connection for the next request when the
+response ended cleanly. Per request that is a fraction of aiohttp's client
+work (request and response objects, header multidicts, cookie and redirect
+handling, timer tasks), which was the largest single cost in the router's
+profile.
+
+A connection is reused only if it stayed idle less than `IDLE_REUSE_S`, under
+the keep-alive timeout vLLM's server applies (5 s), so a request is never
+written onto a connection the replica is closing. A response that was not read
+to the end closes its connection: vLLM sees the disconnect and aborts the
+generation.
+
+Errors say what the replica could have seen: :class:`ConnectFailed` (it did
+not get the request), :class:`ConnectTimeout`, :class:`Disconnected` (the
+connection broke before the response ended), and :class:`TimeoutError` while
+waiting for response bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+IDLE_REUSE_S = 4.0
+"""Reuse an idle connection only this long (vLLM's uvicorn closes it after 5 s)."""
+MAX_IDLE_PER_REPLICA = 512
+PAUSE_AT_BYTES = 1 << 18
+"""Stop reading from the replica while this much of its body waits to be forwarded."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a replica listens, parsed once from its base URL."""
+
+    host: str
+    port: int
+    tls: bool
+    host_header: bytes
+
+    @classmethod
+    def parse(cls, base_url: str) -> Origin:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        return cls(parts.hostname, port, tls, parts.netloc.encode("idna"))
+
+
+class ConnectFailed(OSError):
+    """The connection could not be made (refused, unreachable): nothing was sent."""
+
+
+class ConnectTimeout(TimeoutError):
+    """No connection within the connect timeout: nothing was sent."""
+
+
+class Disconnected(ConnectionError):
+    """The connection broke, or the response was malformed, before the response ended."""
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; its body is read with :meth:`readany` or
+    :meth:`read`, and :meth:`release` must follow (it is idempotent)."""
+
+    __slots__ = ("_buffered", "_conn", "_error", "_until_eof", "_waiter", "chunks",
+                 "complete", "keep_alive", "raw_headers", "status")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn: _Connection | None = conn
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.complete = False
+        self.chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._until_eof = False
+
+    @property
+    def content_type(self) -> str:
+        for name, value in self.raw_headers:
+            if name.lower() == b"content-type":
+                return value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        return ""
+
+    async def readany(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some);
+        b"" once the body is complete. Raises :class:`Disconnected` if it broke."""
+        while not self.chunks:
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return b""
+            await self._wait()
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self._drain())
+        self._buffered -= len(data)
+        if self._conn is not None and self._buffered < PAUSE_AT_BYTES:
+            self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Give the connection back when the response ended cleanly, else close it."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self.complete and self.keep_alive and self._error is None and not self.chunks:
+            conn.idle()
+        else:
+            conn.close()
+
+    # -- fed by the connection ---------------------------------------------------------
+
+    def _drain(self) -> Iterable[bytes]:
+        while self.chunks:
+            yield self.chunks.popleft()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered >= PAUSE_AT_BYTES and self._conn is not None:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.complete and self._error is None:
+            self._error = error
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to a replica, carrying one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self._pool = pool
+        self._origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: UpstreamResponse | None = None
+        self._head: asyncio.Future[UpstreamResponse] | None = None
+        self._paused = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self._response is None:
+            self.close()  # bytes nobody asked for: the stream is out of step
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._lose(Disconnected(f"malformed response from the replica: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self._response
+        if response is not None and response._until_eof and self._head is None:
+            response._finish()  # a body delimited by the end of the connection
+            return
+        self._lose(Disconnected("the replica closed the connection"
+                                + (f" ({exc})" if exc else "")))
+
+    # -- httptools callbacks ----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self._response is not None
+        self._response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        assert response is not None
+        response.status = self._parser.get_status_code()
+        if 100 <= response.status < 200:  # an interim response: the real one follows
+            response.raw_headers.clear()
+            return
+        response.keep_alive = self._parser.should_keep_alive()
+        response._until_eof = not any(
+            name.lower() in (b"content-length", b"transfer-encoding")
+            for name, _ in response.raw_headers) and response.status not in (204, 304)
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        assert self._response is not None
+        self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._response is not None and self._response.status >= 200:
+            self._response._finish()
+
+    # -- used by the pool and the response ------------------------------------------------
+
+    def send(self, head: bytes, body: bytes) -> asyncio.Future[UpstreamResponse]:
+        assert self.transport is not None
+        self._response = UpstreamResponse(self)
+        self._head = asyncio.get_running_loop().create_future()
+        if len(body) < 65536:
+            self.transport.write(head + body)  # one segment for the usual small request
+        else:
+            self.transport.writelines((head, body))
+        return self._head
+
+    def _lose(self, error: BaseException) -> None:
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_exception(error)
+        if self._response is not None:
+            self._response._fail(error)
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def idle(self) -> None:
+        self._response = None  # the parser goes on with the connection's next message
+        self.resume()
+        self._pool._put(self._origin, self)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to each replica, opened on demand."""
+
+    def __init__(self) -> None:
+        self._idle: dict[Origin, deque[_Connection]] = {}
+        self._closed = False
+        self._tls: ssl.SSLContext | None = None
+
+    async def request(self, origin: Origin, head: bytes, body: bytes, *,
+                      connect_timeout_s: float | None, head_timeout_s: float | None,
+                      ) -> UpstreamResponse:
+        """Send `head` (request line and headers, ending in a blank line) and `body`;
+        return once the response's status and headers arrived."""
+        if self._closed:
+            raise RuntimeError("the upstream pool is closed")
+        conn = self._reusable(origin) or await self._connect(origin, connect_timeout_s)
+        head_arrived = conn.send(head, body)
+        try:
+            async with asyncio.timeout(head_timeout_s):
+                return await head_arrived
+        except BaseException:
+            conn.close()  # a late response must not land on a reused connection
+            raise
+
+    def _reusable(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to be timed out
+            if not conn.closed and now - conn.idle_since < IDLE_REUSE_S:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, origin: Origin, timeout_s: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        tls = None
+        if origin.tls:
+            tls = self._tls = self._tls or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, origin), origin.host, origin.port, ssl=tls)
+        except TimeoutError:
+            raise ConnectTimeout(f"no connection to {origin.host}:{origin.port} within "
+                                 f"{timeout_s:g} s") from None
+        except OSError as exc:
+            raise ConnectFailed(exc.errno, f"cannot connect to {origin.host}:{origin.port}: "
+                                           f"{exc.strerror or exc}") from None
+        return conn
+
+    def _put(self, origin: Origin, conn: _Connection) -> None:
+        if self._closed or conn.closed:
+            conn.close()
+            return
+        idle = self._idle.setdefault(origin, deque())
+        if len(idle) >= MAX_IDLE_PER_REPLICA:
+            idle.popleft().close()
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        """Close every idle connection; connections in use close when released."""
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().close()
+        self._idle.clear()

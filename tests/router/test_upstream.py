@@ -1,0 +1,246 @@
+"""The data plane's HTTP/1.1 client against scripted raw-socket servers.
+
+Each server is a plain asyncio TCP server whose handler writes exactly the bytes
+a test needs (keep-alive, chunked, cut mid-body, silent), so every path of the
+client is shown on the wire rather than through another HTTP library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from dpserve.replicas.launcher import free_port
+from dpserve.router.breaker import Outcome, classify
+from dpserve.router.upstream import (
+    ConnectFailed,
+    ConnectTimeout,
+    Disconnected,
+    Origin,
+    UpstreamPool,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n"
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[Origin, list[int]]]:
+    """A TCP server on loopback; yields its origin and a list counting connections."""
+    connections: list[int] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield Origin.parse(f"http://127.0.0.1:{port}"), connections
+    finally:
+        srv.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return head + await reader.readexactly(length)
+
+
+def ok(body: bytes, *extra: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+            % (len(body), b"".join(h + b"\r\n" for h in extra), body))
+
+
+async def send(pool: UpstreamPool, origin: Origin, head_timeout_s: float = 5.0):
+    return await pool.request(origin, HEAD, b"{}", connect_timeout_s=5.0,
+                              head_timeout_s=head_timeout_s)
+
+
+async def test_keep_alive_connections_are_reused_for_sequential_requests():
+    async def handler(reader, writer):
+        while True:
+            await read_request(reader)
+            writer.write(ok(b'{"n": 1}'))
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, connections):
+        for _ in range(3):
+            resp = await send(pool, origin)
+            assert (resp.status, await resp.read()) == (200, b'{"n": 1}')
+            assert resp.content_type == "application/json"
+            resp.release()
+        assert len(connections) == 1
+    pool.close()
+
+
+async def test_the_request_goes_out_as_written_with_its_body():
+    seen: list[bytes] = []
+
+    async def handler(reader, writer):
+        seen.append(await read_request(reader))
+        writer.write(ok(b"{}"))
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        resp = await send(pool, origin)
+        await resp.read()
+        resp.release()
+    assert seen == [HEAD + b"{}"]
+    pool.close()
+
+
+async def test_a_chunked_stream_arrives_chunk_by_chunk_before_it_ends():
+    release = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        writer.write(b"8\r\ndata: 1\n\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"8\r\ndata: 2\n\r\n0\r\n\r\n")
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        resp = await send(pool, origin)
+        assert resp.content_type == "text/event-stream"
+        assert await resp.readany() == b"data: 1\n"  # while the server still holds the rest
+        release.set()
+        rest = b""
+        while chunk := await resp.readany():
+            rest += chunk
+        assert rest == b"data: 2\n" and resp.complete
+        resp.release()
+    pool.close()
+
+
+async def test_a_body_without_length_ends_with_the_connection():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        resp = await send(pool, origin)
+        assert await resp.read() == b"all of it"
+        resp.release()
+    pool.close()
+
+
+async def test_a_connection_cut_mid_body_is_a_disconnect_not_a_short_body():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        resp = await send(pool, origin)
+        with pytest.raises(Disconnected) as caught:
+            await resp.read()
+        assert classify(None, caught.value) is Outcome.DISCONNECTED
+        resp.release()
+    pool.close()
+
+
+async def test_a_closed_port_is_a_connect_failure_that_sent_nothing():
+    pool = UpstreamPool()
+    with pytest.raises(ConnectFailed) as caught:
+        await send(pool, Origin.parse(f"http://127.0.0.1:{free_port()}"))
+    assert classify(None, caught.value) is Outcome.CONNECT_FAILED
+    assert classify(None, ConnectTimeout("slow accept")) is Outcome.CONNECT_TIMEOUT
+    pool.close()
+
+
+async def test_no_response_head_in_time_is_a_timeout_and_the_connection_is_dropped():
+    gone = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        await reader.read()  # returns at EOF: the client gave up on this connection
+        gone.set()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        with pytest.raises(TimeoutError) as caught:
+            await send(pool, origin, head_timeout_s=0.2)
+        assert classify(None, caught.value) is Outcome.TIMEOUT
+        await asyncio.wait_for(gone.wait(), 5)
+    pool.close()
+
+
+async def test_releasing_an_unread_response_closes_its_connection():
+    gone = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()  # EOF once the client closed: what makes vLLM abort
+        gone.set()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, connections):
+        resp = await send(pool, origin)
+        assert await resp.readany() == b"first"
+        resp.release()
+        await asyncio.wait_for(gone.wait(), 5)
+        again = await send(pool, origin)  # a new connection, not the abandoned one
+        assert len(connections) == 2
+        again.release()
+    pool.close()
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(ok(b"{}"))
+        await writer.drain()  # then the handler returns: the server closes it
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, connections):
+        first = await send(pool, origin)
+        await first.read()
+        first.release()
+        deadline = asyncio.get_running_loop().time() + 5
+        while not all(c.closed for idle in pool._idle.values() for c in idle):
+            assert asyncio.get_running_loop().time() < deadline, "the close was not noticed"
+            await asyncio.sleep(0.01)
+        second = await send(pool, origin)
+        assert (second.status, await second.read()) == (200, b"{}")
+        second.release()
+        assert len(connections) == 2
+    pool.close()
+
+
+async def test_a_malformed_response_is_a_disconnect():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, _):
+        with pytest.raises(Disconnected):
+            await send(pool, origin)
+    pool.close()
+
+
+def test_origins_parse_host_port_and_scheme():
+    assert Origin.parse("http://127.0.0.1:8001") == Origin("127.0.0.1", 8001, False,
+                                                           b"127.0.0.1:8001")
+    assert Origin.parse("https://engine-0.svc").port == 443
+    with pytest.raises(ValueError, match="not an http"):
+        Origin.parse("ftp://x")
