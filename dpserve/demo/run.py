@@ -23,24 +23,19 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from dpserve.replicas.launcher import free_port
-
-# vLLM flags for the tiny model: eager mode starts ~2x faster on CPU and the
-# model is too small for graph capture to matter; float32 because vLLM's
-# `--dtype auto` would serve the float32 checkpoint in bfloat16.
-TINY_VLLM_ARGS = (
-    "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32",
-)
+from dpserve.demo.processes import poll, shutdown, stop_group
+from dpserve.demo.tiny import printable, serve_command, wait_ready
+from dpserve.replicas.launcher import free_port, visible_gpus
 
 PASS_ACCURACY = 0.8
 """Share of held-out questions the fine-tuned model must answer exactly."""
@@ -59,39 +54,6 @@ ANSWER_TOKENS = 16
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
 _PROGRESS = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+(\S+)")
-
-
-def serve_command(model_dir: Path, *, replicas: int, port: int, served_name: str,
-                  run_dir: Path | None = None) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "dpserve", "serve",
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--replicas", str(replicas), "--port", str(port), "--host", "127.0.0.1",
-    ]
-    if run_dir is not None:
-        cmd += ["--run-dir", str(run_dir)]
-    return [*cmd, "--", *TINY_VLLM_ARGS]
-
-
-def wait_ready(base_url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> float:
-    """Poll the router's /ready until every replica is up; return seconds waited."""
-    start = time.monotonic()
-    while time.monotonic() - start < deadline_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dpserve serve exited with code {proc.returncode}")
-        try:
-            r = httpx.get(base_url + "/ready", timeout=2.0)
-            if r.status_code == 200 and r.json()["replicas_ready"] == r.json()["replicas_total"]:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"router at {base_url} not ready within {deadline_s:g} s")
-
-
-def printable(text: str) -> str:
-    """The tiny model's random weights emit control bytes; keep the terminal sane."""
-    return "".join(ch if ch.isprintable() else "·" for ch in text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,9 +161,9 @@ def run_demo(options: DemoOptions) -> int:
         ok = False
     finally:
         for proc in helpers:  # only left running if something above failed
-            _stop_group(proc)
+            stop_group(proc)
         _section("shutting down (SIGTERM)")
-        code, leftover = _shutdown(serve)
+        code, leftover = shutdown(serve)
         print(f"dpserve serve exited with code {code}; "
               + (f"processes left: {leftover}" if leftover else "no process left behind"))
     ok &= code == 0 and not leftover
@@ -244,8 +206,9 @@ def _finetune(model_dir: Path, data: Path, output: Path, steps: int, env: dict[s
 
     from dpserve.checkpoint import latest_checkpoint
 
+    ranks = min(2, len(visible_gpus())) or 2  # one per GPU (at most 2), else 2 CPU ranks
     cmd = [sys.executable, "-m", "dpserve", "finetune", "--model", str(model_dir),
-           "--data", str(data), "--output", str(output), "--nproc-per-node", "2",
+           "--data", str(data), "--output", str(output), "--nproc-per-node", str(ranks),
            "--max-steps", str(steps), *FINETUNE_FLAGS]
     log_path = output.with_suffix(".log")
     print(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {log_path})", flush=True)
@@ -295,7 +258,7 @@ def _deploy_under_load(checkpoint: Path, base: str, model_dir: Path, model: str,
         load = subprocess.Popen(load_cmd, stdout=log, stderr=subprocess.STDOUT, env=load_env,
                                 start_new_session=True)
     helpers.append(load)
-    _poll(lambda: load.poll() is not None or _completions_served(base) > served_before, 60,
+    poll(lambda: load.poll() is not None or _completions_served(base) > served_before, 60,
           "the load test's first answers")
     if load.poll() is not None:
         raise RuntimeError(f"the load test ended at once; see {out / 'loadtest.log'}")
@@ -351,56 +314,6 @@ def _print_locations(base: str, out: Path, checkpoint: Path) -> None:
           f"{checkpoint}` serves the checkpoint again)", flush=True)
 
 
-# -- processes ------------------------------------------------------------------------------
-
-
-def _shutdown(serve: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
-    """SIGTERM `serve` and wait; (its exit status, pids of its processes still alive)."""
-    import psutil
-
-    try:
-        family = psutil.Process(serve.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    if serve.poll() is None:
-        serve.send_signal(signal.SIGTERM)
-    try:
-        code = serve.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(serve.pid, signal.SIGKILL)
-        code = serve.wait()
-
-    def alive() -> list[int]:
-        return [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
-    with contextlib.suppress(TimeoutError):
-        _poll(lambda: not alive(), 30, "the replicas to exit")
-    leftover = alive()
-    for pid in leftover:  # ours: do not leave them running
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return code, leftover
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _poll(cond: Any, within_s: float, what: str, interval_s: float = 0.2) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {within_s:g} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 # -- output ---------------------------------------------------------------------------------
 
 
@@ -409,7 +322,7 @@ def _section(title: str) -> None:
 
 
 @contextlib.contextmanager
-def _phase(timings: dict[str, float], name: str) -> Any:
+def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.monotonic()
     try:
         yield

@@ -1,0 +1,15 @@
+"""`dpserve demo`: serve, fine-tune and hot-deploy the built-in tiny model, offline.
+
+    run.py        the demo itself, step by step (`run_demo`)
+    tiny.py       `dpserve serve` on the tiny model and waiting for it; the
+                  integration tests start their deployments the same way
+    processes.py  stopping what the demo started, checking nothing is left
+
+The dataset it trains on is `dpserve.demo_data`.
+"""
+
+from dpserve.demo.run import DEFAULT_STEPS, PASS_ACCURACY, DemoOptions, run_demo
+from dpserve.demo.tiny import TINY_VLLM_ARGS, printable, serve_command, wait_ready
+
+__all__ = ["DEFAULT_STEPS", "PASS_ACCURACY", "TINY_VLLM_ARGS", "DemoOptions", "printable",
+           "run_demo", "serve_command", "wait_ready"]
