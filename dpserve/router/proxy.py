@@ -278,8 +278,11 @@ class ProxyEndpoint:
             if stream and resp.content_type == "text/event-stream":
                 return await self._pass_stream(resp, slot, out_headers, replied, start)
             try:
-                async with asyncio.timeout(self._config.first_byte_timeout_s):
+                if resp.complete:  # small responses arrive with their head
                     payload = await resp.read()
+                else:
+                    async with asyncio.timeout(self._config.first_byte_timeout_s):
+                        payload = await resp.read()
             except (*_UNREACHABLE, TimeoutError) as exc:
                 slot.outcome = classify(None, exc)
                 if self._retry(slot, stream, last):

@@ -114,10 +114,18 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        if self.complete and self._error is None:  # the usual small response: all here
+            return self.body_so_far()
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)
         return b"".join(parts)
+
+    def body_so_far(self) -> bytes:
+        """What arrived and was not read yet, without waiting."""
+        data = b"".join(self._drain())
+        self._buffered = 0
+        return data
 
     def release(self) -> None:
         """Give the connection back when the response ended cleanly, else close it."""
@@ -242,6 +250,11 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines((head, body))
         return self._head
 
+    def head_timed_out(self, after_s: float) -> None:
+        head = self._head
+        if head is not None and not head.done():
+            head.set_exception(TimeoutError(f"no response within {after_s:g} s"))
+
     def _lose(self, error: BaseException) -> None:
         head, self._head = self._head, None
         if head is not None and not head.done():
@@ -287,12 +300,18 @@ class UpstreamPool:
             raise RuntimeError("the upstream pool is closed")
         conn = self._reusable(origin) or await self._connect(origin, connect_timeout_s)
         head_arrived = conn.send(head, body)
+        # A timer that fails the future, cheaper than asyncio.timeout's task cancellation.
+        timer = (asyncio.get_running_loop().call_later(head_timeout_s, conn.head_timed_out,
+                                                       head_timeout_s)
+                 if head_timeout_s is not None else None)
         try:
-            async with asyncio.timeout(head_timeout_s):
-                return await head_arrived
+            return await head_arrived
         except BaseException:
             conn.close()  # a late response must not land on a reused connection
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _reusable(self, origin: Origin) -> _Connection | None:
         idle = self._idle.get(origin)
