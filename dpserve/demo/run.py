@@ -123,11 +123,12 @@ def run_demo(options: DemoOptions) -> int:
         before = _ask(client, TINY_MODEL_NAME, questions)
         _print_answers(before)
 
-        _section(f"3. fine-tuning on {demo_data.TRAIN_FILE} (DDP, 2 ranks, {options.steps} "
-                 "steps)")
+        ranks = min(2, len(visible_gpus())) or 2  # one per GPU (at most 2), else 2 on CPU
+        _section(f"3. fine-tuning on {demo_data.TRAIN_FILE} (DDP, {ranks} ranks, "
+                 f"{options.steps} steps)")
         with _phase(timings, "finetune"):
             checkpoint = _finetune(model_dir, demo_data.path(demo_data.TRAIN_FILE),
-                                   out / "finetune", options.steps, env, helpers)
+                                   out / "finetune", options.steps, ranks, env, helpers)
 
         _section("4. rolling deploy under load")
         with _phase(timings, "load test + deploy"):
@@ -199,14 +200,13 @@ def _print_answers(answers: list[Answer]) -> None:
     print(f"  {right}/{len(answers)} right ({right / len(answers):.0%})", flush=True)
 
 
-def _finetune(model_dir: Path, data: Path, output: Path, steps: int, env: dict[str, str],
-              helpers: list[subprocess.Popen[bytes]]) -> Path:
-    """Run `dpserve finetune` (2 ranks), drawing its progress lines as a bar."""
+def _finetune(model_dir: Path, data: Path, output: Path, steps: int, ranks: int,
+              env: dict[str, str], helpers: list[subprocess.Popen[bytes]]) -> Path:
+    """Run `dpserve finetune` on `ranks` processes, drawing its progress lines as a bar."""
     from tqdm import tqdm
 
     from dpserve.checkpoint import latest_checkpoint
 
-    ranks = min(2, len(visible_gpus())) or 2  # one per GPU (at most 2), else 2 CPU ranks
     cmd = [sys.executable, "-m", "dpserve", "finetune", "--model", str(model_dir),
            "--data", str(data), "--output", str(output), "--nproc-per-node", str(ranks),
            "--max-steps", str(steps), *FINETUNE_FLAGS]
