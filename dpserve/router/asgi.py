@@ -60,24 +60,47 @@ class ReplyTracker:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-def watch_disconnect(
-    receive: Receive, task: asyncio.Task[Any] | None, replied: ReplyTracker
-) -> asyncio.Task[None]:
-    """Cancel `task` if the client disconnects while its request is being served.
+class DisconnectWatch:
+    """Cancels the request's task if its client disconnects while it is served.
 
+    The watching task (awaiting the server's `http.disconnect`) starts only once
+    the request has lasted `after_s`: most proxied requests end sooner and pay for
+    a timer instead of a task. A client that leaves earlier is noticed then.
     The server also reports `http.disconnect` once the response is complete;
     that one must not cancel anything, hence the `finished` check.
     """
 
-    async def watch() -> None:
+    __slots__ = ("_receive", "_replied", "_task", "_timer", "_watcher", "fired")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[Any] | None,
+                 replied: ReplyTracker, *, after_s: float = 0.05) -> None:
+        self._receive = receive
+        self._task = task
+        self._replied = replied
+        self._watcher: asyncio.Task[None] | None = None
+        self.fired = False
+        """Whether this watch cancelled the task (the client left)."""
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            after_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
         while True:
-            message = await receive()
+            message = await self._receive()
             if message["type"] == "http.disconnect":
-                if task is not None and not replied.finished:
-                    task.cancel()
+                if self._task is not None and not self._replied.finished:
+                    self.fired = True
+                    self._task.cancel()
                 return
 
-    return asyncio.create_task(watch())
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def send_json_error(replied: ReplyTracker, exc: RouterError, request_id: str,

@@ -50,6 +50,7 @@ class Slot:
     replica: Replica
     permit: Permit
     outcome: Outcome = Outcome.ABORTED
+    started: float = 0.0
 
 
 class Dispatcher:
@@ -120,16 +121,24 @@ class Dispatcher:
     @contextmanager
     def hold(self, slot: Slot) -> Iterator[Slot]:
         """Count the attempt in flight; on exit record its outcome and wake the queue."""
-        start = self._clock()
+        self.begin(slot)
         try:
-            with self._pool.lease(slot.replica):
-                yield slot
+            yield slot
         finally:
-            now = self._clock()
-            self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
-            if slot.outcome is Outcome.SUCCESS:
-                self._mean_service_s = ewma(self._mean_service_s, now - start)
-            self.queue.notify()
+            self.end(slot)
+
+    def begin(self, slot: Slot) -> None:
+        """`hold` without a context manager, for the proxy's hot path: `end` must follow."""
+        slot.replica.in_flight += 1  # the pool's lease, inlined
+        slot.started = self._clock()
+
+    def end(self, slot: Slot) -> None:
+        slot.replica.in_flight -= 1
+        now = self._clock()
+        self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
+        if slot.outcome is Outcome.SUCCESS:
+            self._mean_service_s = ewma(self._mean_service_s, now - slot.started)
+        self.queue.notify()
 
     def _on_state_change(self, replica: Replica, old: ReplicaState, new: ReplicaState) -> None:
         if new is ReplicaState.READY:

@@ -33,6 +33,7 @@ from typing import Any
 from dpserve.config import RouterConfig
 from dpserve.metrics.router import RouterMetrics, status_class
 from dpserve.router.asgi import (
+    DisconnectWatch,
     Receive,
     ReplyTracker,
     Scope,
@@ -41,7 +42,6 @@ from dpserve.router.asgi import (
     request_id,
     send_json_error,
     upstream_header_block,
-    watch_disconnect,
 )
 from dpserve.router.breaker import Outcome, classify
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
@@ -116,10 +116,10 @@ class ProxyEndpoint:
         served_by = "none"
         status = 500
         replied = ReplyTracker(send)
-        watcher: asyncio.Task[None] | None = None
+        watch: DisconnectWatch | None = None
         try:
             body, info, stream = await self._read_request(scope, receive)
-            watcher = watch_disconnect(receive, asyncio.current_task(), replied)
+            watch = DisconnectWatch(receive, asyncio.current_task(), replied)
             served_by, status = await self._forward(scope, body, info, stream, rid, replied,
                                                     start)
         except RouterError as exc:
@@ -132,7 +132,7 @@ class ProxyEndpoint:
             status = 499  # client closed request (nginx's convention)
             self._metrics.client_disconnects.labels(self.route).inc()
         except asyncio.CancelledError:
-            if watcher is None or not watcher.done():
+            if watch is None or not watch.fired:
                 raise  # shutdown, not the client
             # Our own watcher cancelled us because the client left: not an error.
             task = asyncio.current_task()
@@ -146,8 +146,8 @@ class ProxyEndpoint:
             if not replied.started:
                 await send_json_error(replied, RouterError(500, "internal router error"), rid)
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            if watch is not None:
+                watch.stop()
             self._count(served_by, status)
             self._duration.observe(time.perf_counter() - start)
 
@@ -224,10 +224,13 @@ class ProxyEndpoint:
                     self._metrics.queue_wait.labels(self.route).observe(
                         time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
-            with self._dispatch.hold(slot):
+            self._dispatch.begin(slot)  # the slot's hold, without a context manager
+            try:
                 result = await self._attempt(slot, line, body, headers,
                                              stream, rid, replied, start,
                                              last=attempt == attempts)
+            finally:
+                self._dispatch.end(slot)
             if isinstance(result, int):
                 return slot.replica.id, result
             last_error = f"replica {slot.replica.id}: {result}"
