@@ -28,6 +28,6 @@ def exported() -> set[str]:
 
 
 def test_readme_metrics_table_lists_every_exported_series():
-    section = README.read_text().split("### Metrics", 1)[1].split("\n### ", 1)[0]
+    section = README.read_text().split("\n## Metrics", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(dpserve_\w+)`", section, flags=re.M))
     assert exported() - documented == set(), "missing from the README's metrics table"
