@@ -116,6 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--replicas, --num-prompts and --sim-processes must be at least 1")
     if (args.request_rate is not None and args.request_rate <= 0) or args.rate_scale <= 0:
         p.error("--request-rate and --rate-scale must be > 0")
+    if args.dpserve_config is not None:
+        args.dpserve_config = args.dpserve_config.resolve()  # the router may run elsewhere
     return args
 
 
