@@ -53,6 +53,7 @@ import dpserve.sim.engine as engine_module
 from dpserve.config import RouterConfig
 from dpserve.router.engine_metrics import EngineLoad
 from dpserve.router.policies import RequestInfo, make_policy
+from dpserve.router.policies.prefix_affinity import PREFIX_LOAD_FACTOR
 from dpserve.router.policies.recent_work import RecentWork, under_cap
 from dpserve.router.pool import Replica, ReplicaState
 from dpserve.sim.config import build_sim_config
@@ -147,7 +148,7 @@ class Home:
 
 
 def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals_seed: int = 0,
-             num_prompts: int = 400, replicas: int = 8, load_factor: float = 2.0,
+             num_prompts: int = 400, replicas: int = 8, load_factor: float | None = None,
              scrape_s: float = 1.0) -> dict[str, float]:
     cfg = build_sim_config({}, fleet.SIM_CONFIG)
     now = [0.0]
@@ -221,7 +222,7 @@ def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals
 
 
 def _chooser(policy: str, reps: list[Replica], loads: list[Load], rng: random.Random,
-             load_factor: float, clock: Callable[[], float]
+             load_factor: float | None, clock: Callable[[], float]
              ) -> Callable[[workloads.Request], int]:
     index = {id(r): i for i, r in enumerate(reps)}
     jsq = InTurn(lambda i: reps[i].in_flight)
@@ -232,7 +233,8 @@ def _chooser(policy: str, reps: list[Replica], loads: list[Load], rng: random.Ra
         return lambda req: by_tokens.pick(len(reps))
     if policy == "recent-tokens":
         spread = RecentWork(clock=clock)
-        return lambda req: _charged(spread, reps, index, req.prompt_tokens, load_factor)
+        return lambda req: _charged(spread, reps, index, req.prompt_tokens,
+                                    load_factor or PREFIX_LOAD_FACTOR)
     if policy.startswith("home"):
         home = Home(reps, jsq, int(policy[4:]) if policy[4:] else None)
         return lambda req: home.pick(req.prompt[:PREFIX_CHARS])

@@ -72,9 +72,10 @@ class RouterConfig:
     """Longest delay between two attempts of one request."""
     prefix_chars: int = 256
     """`prefix-affinity`: leading characters of the prompt (or rendered messages) hashed."""
-    load_factor: float = 2.0
+    load_factor: float | None = None
     """Affinity policies: a replica takes a key's request only while its in-flight count
-    is under `load_factor` x the fleet average (bounded loads)."""
+    is under `load_factor` x the fleet average (bounded loads). Default: 3 for
+    `prefix-affinity` (a prefix's cache is worth some queueing), 2 for `session-affinity`."""
     engine_scrape_interval_s: float = 1.0
     """`engine-load`: period of reading every replica's /metrics (queue, KV cache)."""
     max_in_flight_per_replica: int = 0
@@ -366,9 +367,11 @@ def _validate_router(c: RouterConfig) -> None:
                  "queue_size", "breaker_cooldown_s"):
         value = getattr(c, name)
         _require(value >= 0, f"router.{name}", "must be >= 0", value)
-    for name in ("engine_scrape_interval_s", "queue_timeout_s", "load_factor"):
+    for name in ("engine_scrape_interval_s", "queue_timeout_s"):
         value = getattr(c, name)
         _require(value > 0, f"router.{name}", "must be > 0", value)
+    if c.load_factor is not None:
+        _require(c.load_factor >= 1, "router.load_factor", "must be >= 1", c.load_factor)
     if c.discover is not None:
         try:
             parse_target(c.discover)

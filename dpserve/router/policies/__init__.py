@@ -16,7 +16,7 @@ from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR
 from dpserve.router.policies.engine_load import EngineLoadPolicy
 from dpserve.router.policies.keys import DEFAULT_PREFIX_CHARS
 from dpserve.router.policies.least_outstanding import LeastOutstanding
-from dpserve.router.policies.prefix_affinity import PrefixAffinity
+from dpserve.router.policies.prefix_affinity import PREFIX_LOAD_FACTOR, PrefixAffinity
 from dpserve.router.policies.round_robin import RoundRobin
 from dpserve.router.policies.session_affinity import SessionAffinity
 
@@ -41,18 +41,20 @@ def make_policy(
     *,
     rng: random.Random | None = None,
     prefix_chars: int = DEFAULT_PREFIX_CHARS,
-    load_factor: float = DEFAULT_LOAD_FACTOR,
+    load_factor: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Policy:
-    """Build a policy by its configuration name; options a policy does not use are ignored."""
+    """Build a policy by its configuration name; options a policy does not use are ignored.
+    `load_factor` None: each affinity policy's own default."""
     if name == "least-outstanding":
         return LeastOutstanding(rng=rng)
     if name == "round-robin":
         return RoundRobin()
     if name == "session-affinity":
-        return SessionAffinity(load_factor=load_factor, rng=rng)
+        return SessionAffinity(load_factor=load_factor or DEFAULT_LOAD_FACTOR, rng=rng)
     if name == "prefix-affinity":
-        return PrefixAffinity(prefix_chars=prefix_chars, load_factor=load_factor, clock=clock)
+        return PrefixAffinity(prefix_chars=prefix_chars, clock=clock,
+                              load_factor=load_factor or PREFIX_LOAD_FACTOR)
     if name == "engine-load":
         return EngineLoadPolicy(clock=clock, rng=rng)
     raise ValueError(f"unknown policy {name!r}")
