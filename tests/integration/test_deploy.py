@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httptools
 import httpx
 import pytest
 import torch
@@ -102,6 +104,54 @@ def start_deploy(f: Fleet, checkpoint: Path, **options: object) -> httpx.Respons
 
 def deploy_record(f: Fleet, deploy_id: str) -> dict:
     return httpx.get(f"{f.d.base_url}/admin/deploy/{deploy_id}", timeout=10).json()
+
+
+class UnreadStream:
+    """A streamed completion through the router whose client reads nothing until told.
+
+    A raw socket with a small receive buffer: once it and the kernel's send buffer
+    are full (a few MB on loopback), the router's writes to it wait, and the request
+    stays in flight on its replica for as long as the test needs. Its reply must be
+    larger than those buffers (`n` choices with logprobs make it ~10 MB).
+    """
+
+    def __init__(self, base_url: str, body: dict) -> None:
+        host, port = base_url.removeprefix("http://").split(":")
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect((host, int(port)))
+        payload = json.dumps(body).encode()
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\n"
+                          b"content-type: application/json\r\ncontent-length: %d\r\n"
+                          b"connection: close\r\n\r\n%s" % (host.encode(), len(payload), payload))
+
+    def read_to_end(self, timeout_s: float) -> tuple[int, dict[bytes, bytes], list[str]]:
+        """Read the whole response: status, headers, the SSE events' data."""
+        headers: dict[bytes, bytes] = {}
+        body: list[bytes] = []
+        done: list[bool] = []
+
+        class Sink:
+            def on_header(self, name: bytes, value: bytes) -> None:
+                headers[name.lower()] = value
+
+            def on_body(self, data: bytes) -> None:
+                body.append(data)
+
+            def on_message_complete(self) -> None:
+                done.append(True)
+
+        parser = httptools.HttpResponseParser(Sink())
+        self.sock.settimeout(timeout_s)
+        while not done and (data := self.sock.recv(1 << 16)):
+            parser.feed_data(data)
+        text = b"".join(body).decode("utf-8", errors="replace")
+        events = [line.removeprefix("data: ") for line in text.splitlines()
+                  if line.startswith("data: ")]
+        return parser.get_status_code(), headers, events
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def completion(url: str, ids: list[int]) -> tuple[list[int], list[float]]:
@@ -296,35 +346,14 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     assert f.versions() == [deployed, deployed]  # left so by the previous test
     base = f.d.base_url
     admin = httpx.Client(base_url=base, timeout=30)
-    # A long generation on r1, to hold r1 in `draining` (drain_wait_s) when its turn comes.
+    # A stream on r1 whose client does not read, to hold r1 in `draining` (drain_wait_s)
+    # when its turn comes: once the socket buffers are full the router cannot finish it,
+    # however fast the engine generates.
     admin.post("/admin/replicas/r0/drain")
-    long_result: dict[str, object] = {}
-
-    def long_stream() -> None:
-        try:
-            hold()
-        except Exception as exc:  # shown by the polls below, not lost in the thread
-            long_result["events"] = [f"{type(exc).__name__}: {exc}"]
-
-    def hold() -> None:
-        with httpx.stream("POST", base + "/v1/completions", timeout=300, json={
-            "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8,
-            "ignore_eos": True, "stream": True}) as r:
-            long_result["replica"] = r.headers["x-dpserve-replica"]
-            long_result["events"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-
-    holder = threading.Thread(target=long_stream)
-    holder.start()
-
-    def ended_early() -> str:
-        events = long_result.get("events", [])
-        return f"the long stream ended early ({len(events)} events, last {events[-1:]})"
-
-    def held_on_r1() -> bool:
-        assert "events" not in long_result, ended_early()
-        return f.replicas()[1]["in_flight"] == 1
-
-    poll(held_on_r1, 30, "the long stream to start on r1")
+    held = UnreadStream(base, {
+        "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8, "n": 8,
+        "logprobs": 10, "ignore_eos": True, "stream": True})
+    poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "the held stream to start on r1")
     admin.post("/admin/replicas/r0/undrain")
     poll(f.all_ready, 30, "r0 back in rotation")
     r1_pid, _ = f.d.replicas()["r1"]
@@ -340,25 +369,30 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
                 phases = [r["phase"] for r in deploy_record(f, deploy_id)["replicas"]]
                 if not seen or seen[-1] != phases:
                     seen.append(phases)
-                assert "events" not in long_result, f"{ended_early()}; phases: {seen}"
                 return phases == ["done", "draining"]
 
-            poll(r1_draining, 120, "r0 reloaded and r1 draining")
-            poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "only the long stream left on r1")
+            try:
+                poll(r1_draining, 120, "r0 reloaded and r1 draining")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc} (phases seen: {seen})") from None
+            poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "only the held stream left on r1")
             os.killpg(r1_pid, signal.SIGKILL)  # the engine dies mid-rollout
+            status, headers, events = held.read_to_end(timeout_s=120)  # lets the router finish
             record = poll(lambda: (rec := deploy_record(f, deploy_id))["done"] and rec, 120,
                           "the rollout to end")
             poll(lambda: processes_in_group(r1_pid) == [], 30, "r1's processes to be gone")
             poll(lambda: f.all_ready() and f.d.replicas()["r1"][0] != r1_pid, 300,
                  "r1 restarted and ready", interval_s=1.0)
     finally:
-        holder.join(60)
+        held.close()
         admin.close()
     assert record["state"] == "rolled_back", record
     assert "r1: pause:" in record["error"]
     assert [r["phase"] for r in record["replicas"]] == ["rolled_back", "restarting"]
     assert load.failures == [] and load.ok > 0  # serving went on throughout
-    assert long_result["replica"] == "r1" and "error" in long_result["events"][-2]
+    # The held stream was r1's and ended with an error event, not a hang or a cut.
+    assert status == 200 and headers[b"x-dpserve-replica"] == b"r1"
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
     # The restarted replica loaded the deployed checkpoint, not the base model...
     assert f.versions() == [deployed, deployed]
     runs_log = next((f.work / "runs").iterdir()) / "replica-r1.log"
