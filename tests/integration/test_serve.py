@@ -114,7 +114,11 @@ def test_dev_mode_is_on_behind_the_router(deployment):
 
 def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
     ports = [port for _, port in deployment.replicas().values()]
-    running = "vllm:num_requests_running"
+
+    def total(name: str) -> float:
+        return sum(replica_metric(p, name) for p in ports)
+
+    generated_before = total("vllm:generation_tokens_total")
     with httpx.Client(timeout=60) as h, h.stream(
         "POST", deployment.base_url + "/v1/completions",
         json={"model": MODEL_NAME, "prompt": "Long story", "max_tokens": 900,
@@ -122,10 +126,14 @@ def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
     ) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        assert sum(replica_metric(p, running) for p in ports) >= 1
-    # The client is gone: vLLM must abort, long before 900 tokens could be made.
-    poll(lambda: sum(replica_metric(p, running) for p in ports) == 0, 15,
+    # The client is gone after its first token. vLLM must abort the generation: once
+    # nothing runs any more, far fewer than the 900 tokens asked for were made. (A
+    # scrape while it runs would race the tiny model: 900 tokens take ~3 s here, and a
+    # replica's /metrics can take as long to answer while it streams.)
+    poll(lambda: total("vllm:num_requests_running") == 0, 30,
          "the replica's running-request count to fall back to 0")
+    generated = total("vllm:generation_tokens_total") - generated_before
+    assert 1 <= generated < 900, f"{generated:g} tokens generated after the client left"
     # The router counts the request as abandoned by its client (not as served).
     poll(lambda: 'dpserve_client_disconnects_total{route="/v1/completions"}'
          in httpx.get(deployment.base_url + "/metrics").text, 15,
