@@ -23,7 +23,13 @@ async def running_router(urls: list[str], **settings: object) -> AsyncIterator[R
     """The real router app on a real socket, in this test's event loop."""
     config = RouterConfig(**{"health_interval_s": 0.2, **settings})  # type: ignore[arg-type]
     pool = ReplicaPool([Replica(id=f"r{i}", url=u) for i, u in enumerate(urls)])
-    router = Router(pool, config)
+    async with serving(Router(pool, config)) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def serving(router: Router) -> AsyncIterator[RunningRouter]:
+    """`router`'s app on a real loopback socket, in this test's event loop."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",

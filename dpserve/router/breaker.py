@@ -33,8 +33,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import aiohttp
-
 from dpserve.router import upstream
 
 
@@ -76,21 +74,18 @@ _FAILURES = frozenset({Outcome.SERVER_ERROR, Outcome.CONNECT_FAILED, Outcome.CON
 def classify(status: int | None, error: BaseException | None) -> Outcome:
     """The outcome of an attempt that ended with `error`, else with response `status`.
 
-    Order matters: aiohttp's connect timeout is also a TimeoutError, and its
-    connector error also an OSError.
+    Errors are those of the data plane's client (`dpserve.router.upstream`). Order
+    matters: its connect timeout is also a TimeoutError, and its connect failure
+    and disconnect are OSErrors.
     """
     if error is not None:
         if isinstance(error, upstream.ConnectTimeout):
             return Outcome.CONNECT_TIMEOUT
         if isinstance(error, upstream.ConnectFailed):
             return Outcome.CONNECT_FAILED
-        if isinstance(error, aiohttp.ConnectionTimeoutError):
-            return Outcome.CONNECT_TIMEOUT
-        if isinstance(error, aiohttp.ClientConnectorError):
-            return Outcome.CONNECT_FAILED
         if isinstance(error, TimeoutError):
             return Outcome.TIMEOUT
-        if isinstance(error, aiohttp.ClientError | OSError):
+        if isinstance(error, OSError):
             return Outcome.DISCONNECTED
         return Outcome.ABORTED  # CancelledError, KeyboardInterrupt, bugs: not the replica's doing
     if status is None:

@@ -129,11 +129,11 @@ class Dispatcher:
 
     def begin(self, slot: Slot) -> None:
         """`hold` without a context manager, for the proxy's hot path: `end` must follow."""
-        slot.replica.in_flight += 1  # the pool's lease, inlined
+        self._pool.acquire(slot.replica)
         slot.started = self._clock()
 
     def end(self, slot: Slot) -> None:
-        slot.replica.in_flight -= 1
+        self._pool.release(slot.replica)
         now = self._clock()
         self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
         if slot.outcome is Outcome.SUCCESS:

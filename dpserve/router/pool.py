@@ -148,8 +148,15 @@ class ReplicaPool:
     @contextmanager
     def lease(self, replica: Replica) -> Iterator[Replica]:
         """Count one request in flight on `replica` for the duration of the block."""
-        replica.in_flight += 1
+        self.acquire(replica)
         try:
             yield replica
         finally:
-            replica.in_flight -= 1
+            self.release(replica)
+
+    def acquire(self, replica: Replica) -> None:
+        """`lease` without a context manager, for the data plane: `release` must follow."""
+        replica.in_flight += 1
+
+    def release(self, replica: Replica) -> None:
+        replica.in_flight -= 1

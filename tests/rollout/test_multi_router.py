@@ -12,15 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from aiohttp import web
 
 from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import Rollout, point_link
-from dpserve.router.app import Router, build_app
+from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import bind_socket
+from tests.conftest import serving
 from tests.fakes import MODEL, FakeReplica
 from tests.rollout.checkpoints import perturbed, write_variant
 
@@ -62,21 +61,12 @@ async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
     pool = ReplicaPool([Replica(id=f"r{i}", url=u, weight_version=deployed.current.version)
                         for i, u in enumerate(urls)])
     router = Router(pool, config)
-    router.rollout = Rollout(pool, deployed, metrics=router.metrics)
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
-                                           lifespan="on", http="httptools"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", router
-    finally:
-        await router.rollout.aclose()
-        server.should_exit = True
-        await task
+    router.rollout = rollout = Rollout(pool, deployed, metrics=router.metrics)
+    async with serving(router) as running:
+        try:
+            yield running
+        finally:
+            await rollout.aclose()
 
 
 async def wait_for(condition, what: str, deadline_s: float = 10.0) -> None:

@@ -61,6 +61,17 @@ def ok(body: bytes, *extra: bytes) -> bytes:
             % (len(body), b"".join(h + b"\r\n" for h in extra), body))
 
 
+def answers_once(raw: bytes) -> Handler:
+    """A handler that reads one request, writes `raw`, and closes the connection."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(raw)
+        await writer.drain()
+
+    return handler
+
+
 async def send(pool: UpstreamPool, origin: Origin, head_timeout_s: float = 5.0):
     return await pool.request(origin, HEAD, b"{}", connect_timeout_s=5.0,
                               head_timeout_s=head_timeout_s)
@@ -126,13 +137,9 @@ async def test_a_chunked_stream_arrives_chunk_by_chunk_before_it_ends():
 
 
 async def test_a_body_without_length_ends_with_the_connection():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
-        await writer.drain()
-
     pool = UpstreamPool()
-    async with server(handler) as (origin, _):
+    reply = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it"
+    async with server(answers_once(reply)) as (origin, _):
         resp = await send(pool, origin)
         assert await resp.read() == b"all of it"
         resp.release()
@@ -140,13 +147,9 @@ async def test_a_body_without_length_ends_with_the_connection():
 
 
 async def test_a_connection_cut_mid_body_is_a_disconnect_not_a_short_body():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
-        await writer.drain()
-
     pool = UpstreamPool()
-    async with server(handler) as (origin, _):
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part"
+    async with server(answers_once(reply)) as (origin, _):
         resp = await send(pool, origin)
         with pytest.raises(Disconnected) as caught:
             await resp.read()
@@ -204,13 +207,8 @@ async def test_releasing_an_unread_response_closes_its_connection():
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_reused():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(ok(b"{}"))
-        await writer.drain()  # then the handler returns: the server closes it
-
     pool = UpstreamPool()
-    async with server(handler) as (origin, connections):
+    async with server(answers_once(ok(b"{}"))) as (origin, connections):
         first = await send(pool, origin)
         await first.read()
         first.release()
@@ -226,13 +224,8 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused():
 
 
 async def test_a_malformed_response_is_a_disconnect():
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
-        await writer.drain()
-
     pool = UpstreamPool()
-    async with server(handler) as (origin, _):
+    async with server(answers_once(b"NOT HTTP AT ALL\r\n\r\n")) as (origin, _):
         with pytest.raises(Disconnected):
             await send(pool, origin)
     pool.close()
