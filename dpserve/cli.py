@@ -48,6 +48,21 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-key-file",
                    help="file with the key for /admin/* (or set DPSERVE_ADMIN_KEY); "
                         "without one, /admin/* answers loopback clients only")
+    g.add_argument("--admin-port", type=int,
+                   help="serve /admin/* only on this port, at --admin-host (default "
+                        "127.0.0.1)")
+    g.add_argument("--admin-host", help="address of the --admin-port listener")
+    g.add_argument("--insecure-admin", action="store_true", default=None,
+                   help="allow --host beyond loopback without an admin key (/admin/* "
+                        "then trusts loopback clients)")
+    g.add_argument("--trusted-proxies", metavar="ADDR[,ADDR...]",
+                   help="proxies whose X-Forwarded-For is believed (addresses or CIDRs)")
+    g.add_argument("--checkpoint-root", metavar="DIR",
+                   help="deploys load checkpoints inside DIR only (default: the served "
+                        "model's parent directory)")
+    g.add_argument("--snapshot-dir", metavar="DIR",
+                   help="where deploys copy checkpoints before checking them; engines load "
+                        "the copy")
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 
@@ -178,6 +193,9 @@ def _flags(ns: argparse.Namespace) -> dict[str, Any]:
             flags["gpus"] = [int(g) for g in flags["gpus"].split(",") if g.strip()]
         except ValueError:
             raise ConfigError(f"gpus: expected comma-separated integers, got {ns.gpus!r}") from None
+    if isinstance(flags.get("trusted_proxies"), str):
+        flags["trusted_proxies"] = [p.strip() for p in flags["trusted_proxies"].split(",")
+                                    if p.strip()]
     return flags
 
 

@@ -20,25 +20,21 @@ YAML layout (every key optional)::
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import yaml
+from typing import Any
 
 from dpserve.router.discovery import DiscoveryError, parse_target
+from dpserve.settings import ENV_PREFIX, ConfigError, load_yaml, require, resolve
 
-ENV_PREFIX = "DPSERVE_"
+__all__ = ["ENV_PREFIX", "POLICIES", "ConfigError", "RouterConfig", "ServeConfig",
+           "build_router_config", "build_serve_config", "load_yaml", "resolve"]
+
 POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
             "engine-load")
-
-
-class ConfigError(ValueError):
-    """A setting is missing, malformed or out of range; the message names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +135,46 @@ class RouterConfig:
     answers loopback clients only."""
     admin_key_file: str | None = None
     """File holding the admin key; read at start-up."""
+    insecure_admin: bool = False
+    """Let a router listening beyond loopback start without an admin key (its `/admin/*`
+    then answers loopback clients only). Without this, such a router refuses to start:
+    a sidecar proxy or a NAT can make remote clients look local."""
+    admin_host: str = "127.0.0.1"
+    """Address of the separate admin listener (with `admin_port`)."""
+    admin_port: int | None = None
+    """Serve `/admin/*` on a listener of its own at `admin_host:admin_port` and nowhere
+    else; the API port then answers 404 there."""
+    trusted_proxies: list[str] | None = None
+    """Addresses or networks (CIDR) of proxies in front of the router whose
+    X-Forwarded-For and X-Forwarded-Proto are believed. Unset: none are; the client is
+    the connection's peer."""
+    max_header_bytes: int = 32 * 1024
+    """Largest request line plus headers; a larger request gets 431 and its connection
+    is closed."""
+    client_header_timeout_s: float = 10.0
+    """Time a client has to send a request's line and headers, from its first byte (or,
+    on a new connection, from the connection); past it the connection is closed."""
+    client_body_timeout_s: float = 30.0
+    """Longest wait for the next piece of a request body; past it the request gets 408
+    and its connection is closed."""
+    keep_alive_timeout_s: float = 5.0
+    """An idle keep-alive client connection is closed after this long."""
+    max_connections: int = 2048
+    """Open client connections; one beyond it gets 503 and is closed at once."""
+    max_inflight_body_bytes: int = 256 * 1024 * 1024
+    """Request bodies held in memory at once, over all requests (the parsed JSON costs a
+    few times more); a request that would pass it gets 503 with Retry-After."""
+    max_response_bytes: int = 128 * 1024 * 1024
+    """Largest non-streamed response read from a replica; a larger one is answered 502
+    (streams are relayed chunk by chunk and have no such limit)."""
+    checkpoint_root: str | None = None
+    """Directory every deployed checkpoint must lie in (symbolic links resolved).
+    Default: the parent directory of the served model."""
+    snapshot_dir: str | None = None
+    """Where a deploy copies a checkpoint before validating it; the engines load that
+    copy, which only the router writes, so they load exactly the bytes that were
+    checked. Default for `dpserve serve`: RUN_DIR/snapshots; `dpserve router` needs it
+    (on storage every engine reads) to deploy."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,27 +207,6 @@ class ServeConfig:
     vllm_args: list[str] = field(default_factory=list)
     """Extra arguments passed to every `vllm serve` (after `--`)."""
     router: RouterConfig = field(default_factory=RouterConfig)
-
-
-T = TypeVar("T")
-
-
-def load_yaml(path: str | os.PathLike[str] | None) -> dict[str, Any]:
-    """Read a YAML settings file; a missing or non-mapping file is a ConfigError."""
-    if path is None:
-        return {}
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping, got {type(data).__name__}")
-    return data
 
 
 def build_router_config(
@@ -243,135 +258,28 @@ def build_serve_config(
     return cfg
 
 
-def resolve(
-    cls: type[T],
-    flags: Mapping[str, Any],
-    file_values: Mapping[str, Any],
-    env: Mapping[str, str],
-    *,
-    prefix: str,
-    extra: Mapping[str, Any] | None = None,
-) -> T:
-    """Build dataclass `cls` from flags > env (DPSERVE_<NAME>) > file values > defaults.
-
-    `extra` supplies already-built fields (nested configs); `prefix` names the
-    section in error messages.
-    """
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    nested = set(extra or {})
-    unknown = set(file_values) - names
-    if unknown:
-        raise ConfigError(
-            f"unknown setting(s) in config file: {', '.join(prefix + u for u in sorted(unknown))}"
-        )
-    values: dict[str, Any] = dict(extra or {})
-    for name in names - nested:
-        label = prefix + name
-        if flags.get(name) is not None:
-            raw, source = flags[name], "flag"
-        elif ENV_PREFIX + name.upper() in env:
-            raw, source = env[ENV_PREFIX + name.upper()], "env"
-        elif name in file_values:
-            raw, source = file_values[name], "file"
-        else:
-            continue
-        values[name] = _coerce(label, hints[name], raw, from_text=source == "env")
-    try:
-        return cls(**values)
-    except TypeError as exc:  # a required field without a value
-        missing = sorted(
-            f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-            if f.name not in values
-            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        raise ConfigError(f"missing required setting(s): {', '.join(missing)}") from exc
-
-
-def _coerce(label: str, hint: Any, raw: Any, *, from_text: bool) -> Any:
-    """Turn a flag/env/YAML value into the field's declared type, or fail naming it."""
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
-        hint = args[0]
-    if raw is None or (from_text and optional and raw == ""):
-        if optional:
-            return None
-        raise ConfigError(f"{label}: a value is required")
-    try:
-        if typing.get_origin(hint) is list:
-            (item,) = typing.get_args(hint)
-            if isinstance(raw, str):
-                raw = [p.strip() for p in raw.split(",") if p.strip()] if from_text else [raw]
-            if not isinstance(raw, list | tuple):
-                raise TypeError
-            return [_scalar(item, v) for v in raw]
-        return _scalar(hint, raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{label}: expected {_type_name(hint)}, got {raw!r}") from None
-
-
-def _scalar(hint: Any, raw: Any) -> Any:
-    if hint is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError
-    if hint is int:
-        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-            raise ValueError
-        return int(raw)
-    if hint is float:
-        if isinstance(raw, bool):
-            raise ValueError
-        return float(raw)
-    if hint is str:
-        if not isinstance(raw, str | int | float) or isinstance(raw, bool):
-            raise TypeError
-        return str(raw)
-    raise TypeError(hint)
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
-        hint, str(hint)
-    )
-
-
-def _require(ok: bool, label: str, message: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{label}: {message}, got {value!r}")
-
-
 def _validate_router(c: RouterConfig) -> None:
-    _require(bool(c.host), "router.host", "must not be empty", c.host)
-    _require(0 <= c.port <= 65535, "router.port", "must be in 0..65535", c.port)
-    _require(c.policy in POLICIES, "router.policy", f"must be one of {', '.join(POLICIES)}",
+    require(bool(c.host), "router.host", "must not be empty", c.host)
+    require(0 <= c.port <= 65535, "router.port", "must be in 0..65535", c.port)
+    require(c.policy in POLICIES, "router.policy", f"must be one of {', '.join(POLICIES)}",
              c.policy)
-    _require(c.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1024",
+    require(c.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1024",
              c.max_body_bytes)
     for name in ("connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
                  "health_interval_s", "health_timeout_s"):
         value = getattr(c, name)
-        _require(value > 0, f"router.{name}", "must be > 0", value)
-    _require(c.graceful_shutdown_s >= 0, "router.graceful_shutdown_s", "must be >= 0",
+        require(value > 0, f"router.{name}", "must be > 0", value)
+    require(c.graceful_shutdown_s >= 0, "router.graceful_shutdown_s", "must be >= 0",
              c.graceful_shutdown_s)
     for name in ("retry_backoff_s", "retry_backoff_max_s", "max_in_flight_per_replica",
                  "queue_size", "breaker_cooldown_s"):
         value = getattr(c, name)
-        _require(value >= 0, f"router.{name}", "must be >= 0", value)
+        require(value >= 0, f"router.{name}", "must be >= 0", value)
     for name in ("engine_scrape_interval_s", "queue_timeout_s"):
         value = getattr(c, name)
-        _require(value > 0, f"router.{name}", "must be > 0", value)
+        require(value > 0, f"router.{name}", "must be > 0", value)
     if c.load_factor is not None:
-        _require(c.load_factor >= 1, "router.load_factor", "must be >= 1", c.load_factor)
+        require(c.load_factor >= 1, "router.load_factor", "must be >= 1", c.load_factor)
     if c.discover is not None:
         try:
             parse_target(c.discover)
@@ -379,55 +287,103 @@ def _validate_router(c: RouterConfig) -> None:
             raise ConfigError(f"router.discover: {exc}") from None
     for name in ("discover_interval_s", "deploy_lock_ttl_s"):
         value = getattr(c, name)
-        _require(value > 0, f"router.{name}", "must be > 0", value)
-    _require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
+        require(value > 0, f"router.{name}", "must be > 0", value)
+    require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
                  "breaker_failures"):
         value = getattr(c, name)
-        _require(value >= 1, f"router.{name}", "must be >= 1", value)
+        require(value >= 1, f"router.{name}", "must be >= 1", value)
     for key in c.api_keys or []:
-        _require(len(key) >= 8, "router.api_key", "must be at least 8 characters", "<hidden>")
-        _require(key.isprintable() and " " not in key, "router.api_key",
+        require(len(key) >= 8, "router.api_key", "must be at least 8 characters", "<hidden>")
+        require(key.isprintable() and " " not in key, "router.api_key",
                  "must be printable and have no spaces", "<hidden>")
     if c.admin_key is not None:
-        _require(len(c.admin_key) >= 16, "router.admin_key", "must be at least 16 characters",
+        require(len(c.admin_key) >= 16, "router.admin_key", "must be at least 16 characters",
                  "<hidden>")
-        _require(c.admin_key not in (c.api_keys or []), "router.admin_key",
+        require(c.admin_key not in (c.api_keys or []), "router.admin_key",
                  "must differ from every API key", "<hidden>")
-    _require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
+    for name in ("max_header_bytes", "max_connections", "max_inflight_body_bytes",
+                 "max_response_bytes"):
+        value = getattr(c, name)
+        require(value >= 1024 if name != "max_connections" else value >= 1,
+                f"router.{name}", "must be at least 1024" if name != "max_connections"
+                else "must be >= 1", value)
+    require(c.max_inflight_body_bytes >= c.max_body_bytes, "router.max_inflight_body_bytes",
+            f"must be >= router.max_body_bytes ({c.max_body_bytes})",
+            c.max_inflight_body_bytes)
+    for name in ("client_header_timeout_s", "client_body_timeout_s", "keep_alive_timeout_s"):
+        value = getattr(c, name)
+        require(value > 0, f"router.{name}", "must be > 0", value)
+    if c.admin_port is not None:
+        require(1 <= c.admin_port <= 65535, "router.admin_port", "must be in 1..65535",
+                c.admin_port)
+        require(c.admin_port != c.port or c.port == 0, "router.admin_port",
+                "must differ from router.port", c.admin_port)
+    for proxy in c.trusted_proxies or []:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise ConfigError(f"router.trusted_proxies: not an address or network, "
+                              f"got {proxy!r}") from None
+    _validate_admin_exposure(c)
+    require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              "router.log_level", "must be debug, info, warning, error or critical", c.log_level)
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a listening address is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _validate_admin_exposure(c: RouterConfig) -> None:
+    """Without an admin key, `/admin/*` trusts loopback clients; a listener beyond
+    loopback must not rely on that (a sidecar or NAT makes remote clients look local)."""
+    if c.admin_key is not None or c.insecure_admin:
+        return
+    exposed = (c.admin_host if c.admin_port is not None else c.host)
+    if not is_loopback_host(exposed):
+        where = "router.admin_host" if c.admin_port is not None else "router.host"
+        raise ConfigError(
+            f"router.admin_key: required when /admin listens beyond loopback ({where} is "
+            f"{exposed}): set DPSERVE_ADMIN_KEY or --admin-key-file, serve /admin on a "
+            "loopback --admin-port, or accept the risk with --insecure-admin")
+
+
 def _validate_serve(c: ServeConfig) -> None:
-    _require(c.router.discover is None, "router.discover",
+    require(c.router.discover is None, "router.discover",
              "only `dpserve router` discovers replicas; `serve` starts its own", c.router.discover)
-    _require(bool(c.model.strip()), "model", "must not be empty", c.model)
+    require(bool(c.model.strip()), "model", "must not be empty", c.model)
     if c.replicas is not None:
-        _require(c.replicas >= 1, "replicas", "must be >= 1", c.replicas)
+        require(c.replicas >= 1, "replicas", "must be >= 1", c.replicas)
     if c.gpus is not None:
-        _require(len(c.gpus) > 0 and all(g >= 0 for g in c.gpus), "gpus",
+        require(len(c.gpus) > 0 and all(g >= 0 for g in c.gpus), "gpus",
                  "must be a non-empty list of GPU indices >= 0", c.gpus)
-        _require(len(set(c.gpus)) == len(c.gpus), "gpus", "must not repeat a GPU", c.gpus)
+        require(len(set(c.gpus)) == len(c.gpus), "gpus", "must not repeat a GPU", c.gpus)
         if c.replicas is not None:
-            _require(c.replicas == len(c.gpus), "replicas",
+            require(c.replicas == len(c.gpus), "replicas",
                      f"must equal the number of --gpus ({len(c.gpus)}) when both are given",
                      c.replicas)
-    _require(c.cpu_kvcache_gib > 0, "cpu_kvcache_gib", "must be > 0", c.cpu_kvcache_gib)
+    require(c.cpu_kvcache_gib > 0, "cpu_kvcache_gib", "must be > 0", c.cpu_kvcache_gib)
     if c.cpu_binds is not None:
         binds = c.cpu_binds.split("|")
-        _require(all(_is_core_set(b) for b in binds), "cpu_binds",
+        require(all(_is_core_set(b) for b in binds), "cpu_binds",
                  "must be core lists like '0-3|4-7' or '0,2|1,3', one per replica", c.cpu_binds)
         if c.replicas is not None:
-            _require(len(binds) == c.replicas, "cpu_binds",
+            require(len(binds) == c.replicas, "cpu_binds",
                      f"must name one core list per replica ({c.replicas})", c.cpu_binds)
     for name in ("startup_timeout_s", "restart_backoff_s", "restart_backoff_max_s",
                  "stop_timeout_s"):
         value = getattr(c, name)
-        _require(value > 0, name, "must be > 0", value)
-    _require(c.restart_backoff_max_s >= c.restart_backoff_s, "restart_backoff_max_s",
+        require(value > 0, name, "must be > 0", value)
+    require(c.restart_backoff_max_s >= c.restart_backoff_s, "restart_backoff_max_s",
              "must be >= restart_backoff_s", c.restart_backoff_max_s)
     for arg in c.vllm_args:
-        _require(arg.split("=", 1)[0] not in _RESERVED_VLLM_ARGS, "vllm_args",
+        require(arg.split("=", 1)[0] not in _RESERVED_VLLM_ARGS, "vllm_args",
                  "must not set --host, --port or --model (dpserve owns them)", arg)
 
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.config import ConfigError, resolve
+from dpserve.settings import require as _require
+from dpserve.settings import resolve
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +98,3 @@ def replace(c: SimConfig, **changes: Any) -> SimConfig:
     cfg = dataclasses.replace(c, **changes)
     validate(cfg)
     return cfg
-
-
-def _require(ok: bool, label: str, message: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{label}: {message}, got {value!r}")
