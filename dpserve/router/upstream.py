@@ -15,6 +15,14 @@ written onto a connection the replica is closing. A response that was not read
 to the end closes its connection: vLLM sees the disconnect and aborts the
 generation.
 
+Framing is never guessed. A connection goes back to the pool only after a
+response that ended by its own framing (Content-Length or chunked, not the end
+of the connection) and announced keep-alive. Any byte past the end of a response
+(a second response nobody asked for, as a smuggled request would produce), a
+head larger than `MAX_HEAD_BYTES`, an upgrade, a response with both
+Content-Length and Transfer-Encoding, or a Transfer-Encoding that is not chunked
+closes the connection instead: the next request never reads another's answer.
+
 Errors say what the replica could have seen: :class:`ConnectFailed` (it did
 not get the request), :class:`ConnectTimeout`, :class:`Disconnected` (the
 connection broke before the response ended), and :class:`TimeoutError` while
@@ -38,6 +46,8 @@ IDLE_REUSE_S = 4.0
 MAX_IDLE_PER_REPLICA = 512
 PAUSE_AT_BYTES = 1 << 18
 """Stop reading from the replica while this much of its body waits to be forwarded."""
+MAX_HEAD_BYTES = 64 * 1024
+"""Largest status line plus headers accepted from a replica (vLLM's are under 1 KiB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,10 @@ class ConnectTimeout(TimeoutError):
 
 class Disconnected(ConnectionError):
     """The connection broke, or the response was malformed, before the response ended."""
+
+
+class ResponseTooLarge(Exception):
+    """A response body is larger than the caller's limit; the connection is closed."""
 
 
 class UpstreamResponse:
@@ -112,12 +126,17 @@ class UpstreamResponse:
             self._conn.resume()
         return data
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        if self.complete and self._error is None:  # the usual small response: all here
-            return self.body_so_far()
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; :class:`ResponseTooLarge` past `limit` bytes."""
+        if self.complete and self._error is None and (limit is None or self._buffered <= limit):
+            return self.body_so_far()  # the usual small response: all here
         parts = []
+        size = 0
         while chunk := await self.readany():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                self.chunks.clear()  # release() closes the connection: the rest is unread
+                raise ResponseTooLarge(f"the response is larger than {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -128,11 +147,13 @@ class UpstreamResponse:
         return data
 
     def release(self) -> None:
-        """Give the connection back when the response ended cleanly, else close it."""
+        """Give the connection back when the response ended cleanly by its own framing
+        and was read to the end, else close it."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self.complete and self.keep_alive and self._error is None and not self.chunks:
+        if (self.complete and self.keep_alive and self._error is None and not self.chunks
+                and not self._until_eof):
             conn.idle()
         else:
             conn.close()
@@ -184,6 +205,10 @@ class _Connection(asyncio.Protocol):
         self._response: UpstreamResponse | None = None
         self._head: asyncio.Future[UpstreamResponse] | None = None
         self._paused = False
+        self._head_bytes = 0
+        """Bytes of the current response read before its head ended (capped)."""
+        self._ended = False
+        """The current request's final response ended: any further byte is out of step."""
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -191,13 +216,29 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        if self._response is None:
+        response = self._response
+        if response is None or self._ended:
             self.close()  # bytes nobody asked for: the stream is out of step
             return
         try:
+            if self._head is not None:  # still in the head: bound what the parser buffers
+                room = MAX_HEAD_BYTES - self._head_bytes
+                if len(data) > room:
+                    self._head_bytes = MAX_HEAD_BYTES
+                    self._parser.feed_data(data[:room])
+                    if self._head is not None and self._head_bytes == MAX_HEAD_BYTES:
+                        raise Disconnected(f"the replica's response head is larger than "
+                                           f"{MAX_HEAD_BYTES} bytes")
+                    data = data[room:]  # the body's first bytes (or an interim's next head)
+                else:
+                    self._head_bytes += len(data)
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._lose(Disconnected(f"malformed response from the replica: {exc}"))
+        except Disconnected as exc:
+            self._lose(exc)
+            self.close()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._lose(Disconnected(f"malformed response from the replica: "
+                                    f"{type(exc).__name__}: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -211,21 +252,38 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ----------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._ended:  # a second response to one request: never trust this stream again
+            self.close()
+            raise Disconnected("the replica sent bytes past the end of its response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._response is not None
-        self._response.raw_headers.append((name, value))
+        response = self._response
+        assert response is not None
+        if response.status == 0:  # trailers after a chunked body are not headers
+            response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self._response
         assert response is not None
-        response.status = self._parser.get_status_code()
-        if 100 <= response.status < 200:  # an interim response: the real one follows
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim response: the real one follows
             response.raw_headers.clear()
+            self._head_bytes = 0
             return
-        response.keep_alive = self._parser.should_keep_alive()
-        response._until_eof = not any(
-            name.lower() in (b"content-length", b"transfer-encoding")
-            for name, _ in response.raw_headers) and response.status not in (204, 304)
+        response.status = status
+        length = coding = None
+        for name, value in response.raw_headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                length = value
+            elif lower == b"transfer-encoding":
+                coding = value
+        chunked = coding is not None and coding.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+        response._until_eof = (status not in (204, 304) and length is None and not chunked)
+        # Both framings at once, or a coding that is not chunked: read it, never reuse it.
+        doubtful = coding is not None and (length is not None or not chunked)
+        response.keep_alive = self._parser.should_keep_alive() and not doubtful
         head, self._head = self._head, None
         if head is not None and not head.done():
             head.set_result(response)
@@ -235,14 +293,18 @@ class _Connection(asyncio.Protocol):
         self._response._feed(body)
 
     def on_message_complete(self) -> None:
-        if self._response is not None and self._response.status >= 200:
-            self._response._finish()
+        response = self._response
+        if response is not None and response.status >= 200:
+            self._ended = True
+            response._finish()
 
     # -- used by the pool and the response ------------------------------------------------
 
     def send(self, head: bytes, body: bytes) -> asyncio.Future[UpstreamResponse]:
         assert self.transport is not None
         self._response = UpstreamResponse(self)
+        self._ended = False
+        self._head_bytes = 0
         self._head = asyncio.get_running_loop().create_future()
         if len(body) < 65536:
             self.transport.write(head + body)  # one segment for the usual small request
