@@ -69,7 +69,7 @@ def busy_pool(n: int) -> ReplicaPool:
 
 def populate(metrics: RouterMetrics, pool: ReplicaPool) -> None:
     """Every series a busy router has, with observations spread over the buckets."""
-    routes = [path for path, _, _ in FORWARDED_ROUTES]
+    routes = [path for path, _ in FORWARDED_ROUTES]
     for route in routes:
         for r in pool:
             for status in ("2xx", "4xx", "5xx"):

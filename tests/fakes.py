@@ -69,6 +69,9 @@ class FakeReplica:
     logprobs) fails only once weights were reloaded."""
     dev_calls: list[str] = field(default_factory=list)
     """Dev endpoint calls in order, as `path?query`."""
+    seen: list[str] = field(default_factory=list)
+    """Every request that reached the replica, as `METHOD path?query`, health checks
+    and scrapes left out: what a smuggled request would show up in."""
     _unpaused: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
     port: int = 0
@@ -78,7 +81,7 @@ class FakeReplica:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> FakeReplica:
-        app = web.Application()
+        app = web.Application(middlewares=[self._log_request])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -96,6 +99,19 @@ class FakeReplica:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _log_request(self, request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                           ) -> web.StreamResponse:
+        if request.path not in ("/health", "/metrics", "/is_paused"):
+            self.seen.append(f"{request.method} {request.path_qs}")
+        return await handler(request)
+
+    def reached(self) -> list[str]:
+        """`seen`, less the router's own `GET /v1/models` (its health checker reads the
+        served model names there): what clients' requests brought to the replica."""
+        return [line for line in self.seen if line != "GET /v1/models"]
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)

@@ -33,6 +33,7 @@ from dpserve.rollout.rollout import Rollout
 from dpserve.router.admin import admin_routes
 from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.auth import Authenticate
+from dpserve.router.budget import BodyBudget
 from dpserve.router.discovery import Discovery, parse_target
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
@@ -44,14 +45,15 @@ from dpserve.router.upstream import UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
-# (path, method, has a JSON body) — the public surface forwarded to replicas.
+# (path, method) — the public surface forwarded to replicas. POST routes carry a JSON
+# body; GET routes none (one sent anyway is refused, never forwarded).
 FORWARDED_ROUTES = (
-    ("/v1/completions", "POST", True),
-    ("/v1/chat/completions", "POST", True),
-    ("/v1/embeddings", "POST", True),
-    ("/tokenize", "POST", True),
-    ("/detokenize", "POST", True),
-    ("/v1/models", "GET", False),
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/embeddings", "POST"),
+    ("/tokenize", "POST"),
+    ("/detokenize", "POST"),
+    ("/v1/models", "GET"),
 )
 
 
@@ -65,6 +67,8 @@ class Router:
         self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
                                   load_factor=config.load_factor)
         self.dispatcher = Dispatcher(pool, self.policy, config)
+        self.bodies = BodyBudget(config.max_inflight_body_bytes)
+        """Request bytes held in memory by all requests together."""
         self._upstream: UpstreamPool | None = None
         self._control: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -163,10 +167,11 @@ def build_app(router: Router) -> DataPlaneFront:
         *deploy_routes(router),
     ]
     forwarded: dict[tuple[str, str], ProxyEndpoint] = {}
-    for path, method, has_body in FORWARDED_ROUTES:
+    for path, method in FORWARDED_ROUTES:
         endpoint = ProxyEndpoint(
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
-            metrics=router.metrics, upstream=router.upstream, has_body=has_body,
+            metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
+            method=method,
         )
         forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))
@@ -195,9 +200,10 @@ def build_app(router: Router) -> DataPlaneFront:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
-    app.add_middleware(Authenticate, api_keys=router.config.api_keys,
-                       admin_key=router.config.admin_key)
-    auth = Authenticate(None, api_keys=router.config.api_keys, admin_key=router.config.admin_key)
+    access = {"api_keys": router.config.api_keys, "admin_key": router.config.admin_key,
+              "admin_port": router.config.admin_port}
+    app.add_middleware(Authenticate, **access)
+    auth = Authenticate(None, **access)
     return DataPlaneFront(app, forwarded, auth)
 
 

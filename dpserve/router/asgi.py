@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -34,6 +35,11 @@ _HOP_BY_HOP = frozenset({
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })
 _NOT_PASSED_BACK = _HOP_BY_HOP | {b"date", b"server", REQUEST_ID_HEADER.encode()}
+# The client's key is the router's business: replicas never see it (nor a log of theirs).
+_NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", REQUEST_ID_HEADER.encode()}
+# Bytes no header value may hold (RFC 9110 §5.5): a CR or LF would start a new header
+# line, or a new request, on the replica's side. Tab is allowed.
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 # Request ids this router makes: a random per-process prefix and a counter, unique
 # across router processes and restarts without uuid4's cost on every request.
@@ -128,9 +134,26 @@ def request_id(scope: Scope) -> str:
 
 def upstream_header_block(scope: Scope, request_id: str, content_length: int | None) -> bytes:
     """The client's headers for the replica, as the lines of an HTTP/1.1 head (the
-    blank line included), less the hop-by-hop ones, with the request id."""
-    lines = [name + b": " + value + b"\r\n" for name, value in scope["headers"]
-             if name not in _HOP_BY_HOP and name != b"x-request-id"]
+    blank line included), with the request id and the body's length.
+
+    Left out: hop-by-hop headers, those the client's `Connection` names, its framing
+    (the router frames the body itself: `content_length`, or none for a bodiless
+    request) and its `Authorization`. RouterError(400) for a value holding a control
+    character, which could split the head on the replica's side.
+    """
+    headers = scope["headers"]
+    dropped = _NOT_FORWARDED
+    for name, value in headers:
+        if name == b"connection":
+            dropped = dropped | {t.strip().lower() for t in value.split(b",")}
+    lines = []
+    for name, value in headers:
+        if name in dropped:
+            continue
+        if _BAD_VALUE.search(value) is not None:
+            raise RouterError(400, f"header {name.decode('latin-1')!r} holds a control "
+                                   "character")
+        lines.append(name + b": " + value + b"\r\n")
     lines.append(b"x-request-id: " + request_id.encode("latin-1") + b"\r\n")
     if content_length is not None:
         lines.append(b"content-length: %d\r\n" % content_length)

@@ -7,8 +7,10 @@ general-purpose one measured for this, was still the largest cost per request.)
 
 Order of events for one request:
 
-1. read the body (bounded: 413 past the limit), parse it (400 unless a JSON object),
-   check the model name against the replicas' (404), read its affinity keys;
+1. read the body (bounded: 413 past the limit, 503 when all requests together hold
+   too much), parse it (400 unless a JSON object), check the model name against the
+   replicas' (404), read its affinity keys. A route without a body (`GET /v1/models`)
+   refuses one (400): bytes the router does not frame itself never reach a replica;
 2. ask the dispatcher for a replica (`dpserve.router.dispatch`: policy, caps,
    admission queue, circuit breakers) and hold a slot on it for the attempt;
 3. send upstream; if the attempt fails in a way `retry.is_retryable` allows —
@@ -44,13 +46,14 @@ from dpserve.router.asgi import (
     upstream_header_block,
 )
 from dpserve.router.breaker import Outcome, classify
+from dpserve.router.budget import BodyBudget, BodyHold
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.policies import RequestInfo
 from dpserve.router.policies.keys import prompt_prefix, session_id
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.retry import backoff, is_retryable
-from dpserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
+from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
 
@@ -75,21 +78,24 @@ class ProxyEndpoint:
         config: RouterConfig,
         metrics: RouterMetrics,
         upstream: Callable[[], UpstreamPool],
-        has_body: bool = True,
+        bodies: BodyBudget,
+        method: str = "POST",
     ) -> None:
         self.route = route
+        self.method = method
+        self._bodies = bodies
         self._pool = pool
         self._dispatch = dispatcher
         self._config = config
         self._metrics = metrics
         self._upstream = upstream
-        self._has_body = has_body
+        self._has_body = method == "POST"
         self._wants_session = config.policy == "session-affinity"
         self._wants_prefix = config.policy == "prefix-affinity"
         # Per-request costs kept out of the hot path: parsed replica URLs, the request
         # line, and the metric children of this route.
         self._origins: dict[str, Origin] = {}
-        self._request_line = f"{'POST' if has_body else 'GET'} {route}".encode()
+        self._request_line = f"{method} {route}".encode()
         self._duration = metrics.request_duration.labels(route)
         self._first_byte = metrics.time_to_first_byte.labels(route)
         self._counted: dict[tuple[str, int], Any] = {}
@@ -118,10 +124,11 @@ class ProxyEndpoint:
         replied = ReplyTracker(send)
         watch: DisconnectWatch | None = None
         try:
-            body, info, stream = await self._read_request(scope, receive)
-            watch = DisconnectWatch(receive, asyncio.current_task(), replied)
-            served_by, status = await self._forward(scope, body, info, stream, rid, replied,
-                                                    start)
+            with self._bodies.hold() as hold:
+                body, info, stream = await self._read_request(scope, receive, hold)
+                watch = DisconnectWatch(receive, asyncio.current_task(), replied)
+                served_by, status = await self._forward(scope, body, info, stream, rid,
+                                                        replied, start)
         except RouterError as exc:
             status = exc.status
             if not replied.started:
@@ -152,12 +159,24 @@ class ProxyEndpoint:
             self._duration.observe(time.perf_counter() - start)
 
     async def _read_request(
-        self, scope: Scope, receive: Receive
+        self, scope: Scope, receive: Receive, hold: BodyHold
     ) -> tuple[bytes, RequestInfo, bool]:
+        if scope["method"] != self.method:  # HEAD of a GET route: never forwarded
+            raise RouterError(405, f"method {scope['method']} is not allowed on {self.route}")
         limit = self._config.max_body_bytes
+        declared: bytes | None = None
+        chunked = False
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
+            if name == b"content-length":
+                declared = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        if not self._has_body and (chunked or declared not in (None, b"0")):
+            raise RouterError(400, f"{self.method} {self.route} takes no request body")
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
                 raise RouterError(413, f"request body is larger than the limit of {limit} bytes")
+            self._hold(hold, int(declared))  # refuse before reading, not after
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -168,16 +187,21 @@ class ProxyEndpoint:
             size += len(chunk)
             if size > limit:
                 raise RouterError(413, f"request body is larger than the limit of {limit} bytes")
+            self._hold(hold, size)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
         if not self._has_body:
-            return body, RequestInfo(route=self.route), False
+            if size:
+                raise RouterError(400, f"{self.method} {self.route} takes no request body")
+            return b"", RequestInfo(route=self.route), False
+        body = b"".join(chunks)
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise RouterError(400, "request body is nested too deeply") from None
         if not isinstance(payload, dict):
             raise RouterError(400, "request body must be a JSON object")
         model = payload.get("model")
@@ -196,6 +220,11 @@ class ProxyEndpoint:
                     if self._wants_prefix else None),
         )
         return body, info, stream is True
+
+    def _hold(self, hold: BodyHold, size: int) -> None:
+        if not hold.grow_to(size):
+            raise Unavailable(503, "the router holds as many request bytes as it may "
+                                   "(max_inflight_body_bytes); retry shortly", retry_after_s=1)
 
     async def _forward(
         self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, rid: str,
@@ -280,12 +309,17 @@ class ProxyEndpoint:
             out_headers = downstream_headers(resp, rid, replica)
             if stream and resp.content_type == "text/event-stream":
                 return await self._pass_stream(resp, slot, out_headers, replied, start)
+            cap = self._config.max_response_bytes
             try:
                 if resp.complete:  # small responses arrive with their head
-                    payload = await resp.read()
+                    payload = await resp.read(cap)
                 else:
                     async with asyncio.timeout(self._config.first_byte_timeout_s):
-                        payload = await resp.read()
+                        payload = await resp.read(cap)
+            except ResponseTooLarge:
+                slot.outcome = Outcome.ABORTED  # the replica worked; the router will not hold it
+                raise RouterError(502, f"replica {replica.id}'s response is larger than the "
+                                       f"router's limit of {cap} bytes") from None
             except (*_UNREACHABLE, TimeoutError) as exc:
                 slot.outcome = classify(None, exc)
                 if self._retry(slot, stream, last):
