@@ -32,6 +32,7 @@ from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import Rollout
 from dpserve.router.app import Router, build_app
+from dpserve.router.front import FrontLimits, protocol_factory
 from dpserve.router.pool import Replica, ReplicaPool
 
 log = logging.getLogger("dpserve.serve")
@@ -67,7 +68,16 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _uvicorn_server(router: Router, config: RouterConfig) -> _Server:
+def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
+    """The router's HTTP server: uvicorn on httptools behind the front's limits
+    (`dpserve.router.front`), believing proxy headers only from `trusted_proxies`."""
+    rejections = router.metrics.front_rejections
+    limits = FrontLimits(
+        max_header_bytes=config.max_header_bytes,
+        header_timeout_s=config.client_header_timeout_s,
+        body_timeout_s=config.client_body_timeout_s,
+        max_connections=config.max_connections,
+        on_reject=lambda reason: rejections.labels(reason).inc())
     return _Server(uvicorn.Config(
         build_app(router),
         host=config.host,
@@ -77,9 +87,25 @@ def _uvicorn_server(router: Router, config: RouterConfig) -> _Server:
         access_log=False,
         server_header=False,  # per-request logging costs more than the proxying itself
         timeout_graceful_shutdown=int(config.graceful_shutdown_s) or None,
+        timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
         lifespan="on",
-        http="httptools",
+        http=protocol_factory(limits),  # type: ignore[arg-type]
+        ws="none",
+        proxy_headers=bool(config.trusted_proxies),
+        forwarded_allow_ips=list(config.trusted_proxies or []),
     ))
+
+
+def listen(config: RouterConfig) -> list[socket.socket]:
+    """The router's listening sockets: the API's, and the admin listener's if it has one."""
+    sockets = [bind_socket(config.host, config.port)]
+    if config.admin_port is not None:
+        try:
+            sockets.append(bind_socket(config.admin_host, config.admin_port))
+        except PortInUseError:
+            sockets[0].close()
+            raise
+    return sockets
 
 
 class _Signals:
@@ -122,11 +148,11 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
     ])
     router = Router(pool, config)
     router.rollout = rollout = Rollout(pool, deployed, metrics=router.metrics)
-    sock = bind_socket(config.host, config.port)
-    server = _uvicorn_server(router, config)
+    sockets = listen(config)
+    server = uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
     try:
-        serving = asyncio.create_task(server.serve(sockets=[sock]), name="dpserve-router")
+        serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
         return await _serve_until_stopped(server, signals, serving)
     finally:
         await rollout.aclose()
@@ -150,8 +176,8 @@ async def run_serve(config: ServeConfig) -> int:
                             deployed=deployed)
     router.rollout = rollout = Rollout(pool, deployed, restarter=supervisor,
                                        metrics=router.metrics)
-    sock = bind_socket(config.router.host, config.router.port)
-    server = _uvicorn_server(router, config.router)
+    sockets = listen(config.router)
+    server = uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
     # Read at scrape time: GPUs through NVML where there are any, else the replicas'
     # processes, so one dashboard serves GPU and CPU fleets.
@@ -164,7 +190,7 @@ async def run_serve(config: ServeConfig) -> int:
     try:
         # Router first: /health and /ready answer (503 until a replica is up) while
         # the engines load, as orchestrators' probes expect.
-        serving = asyncio.create_task(server.serve(sockets=[sock]), name="dpserve-router")
+        serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
         starting = asyncio.create_task(supervisor.start(), name="dpserve-start")
         stopped = asyncio.create_task(signals.stop.wait())
         done, _ = await asyncio.wait({serving, starting, stopped},

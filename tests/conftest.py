@@ -2,17 +2,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from dpserve.config import RouterConfig
-from dpserve.router.app import Router, build_app
+from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.serve import bind_socket
+from dpserve.serve import bind_socket, uvicorn_server
 from tests.fakes import FakeReplica
 
 RunningRouter = tuple[str, Router]
@@ -32,9 +32,12 @@ async def serving(router: Router) -> AsyncIterator[RunningRouter]:
     """`router`'s app on a real loopback socket, in this test's event loop."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
-                                           lifespan="on", http="httptools"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    sockets = [sock]
+    if router.config.admin_port is not None:
+        sockets.append(bind_socket(router.config.admin_host, router.config.admin_port))
+    # The server `dpserve serve` runs, front limits included.
+    server = uvicorn_server(router, dataclasses.replace(router.config, log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             task.result()

@@ -41,6 +41,11 @@ DEPLOY_OUTCOMES = ("succeeded", "failed", "rolled_back")
 """Values of `outcome` on the deploy and reload counters."""
 
 
+FRONT_REJECTIONS = ("header_timeout", "body_timeout", "header_too_large",
+                    "too_many_connections", "malformed", "upgrade")
+"""Values of `reason` on dpserve_front_rejections_total (dpserve.router.front.REASONS)."""
+
+
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
@@ -91,6 +96,16 @@ class RouterMetrics:
             ["route"],
             registry=self.registry,
         )
+        self.front_rejections = Counter(
+            "dpserve_front_rejections",
+            "Client connections the router's HTTP front closed on a limit or malformed "
+            "input: reason is header_timeout, body_timeout, header_too_large, "
+            "too_many_connections, malformed or upgrade.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in FRONT_REJECTIONS:  # every series present from the start
+            self.front_rejections.labels(reason)
         self.replica_restarts = Counter(
             "dpserve_replica_restarts",
             "Replica processes restarted by the supervisor after they died.",

@@ -3,8 +3,13 @@
 - The public API needs one of the API keys, when any is configured, sent as
   `Authorization: Bearer KEY` (what the OpenAI SDK sends for its `api_key`).
 - `/admin/*` needs the admin key; with no admin key configured it answers
-  loopback clients only, so a router published on a network never exposes its
-  control plane by accident.
+  loopback clients only. The client is the connection's peer: proxy headers are
+  believed only from configured proxies, and a router listening beyond loopback
+  refuses to start without an admin key (`dpserve.config`), since a sidecar or a
+  NAT in front makes remote clients look local.
+- With a separate admin listener (`admin_port`), `/admin/*` exists only there,
+  and the API listener answers 404 for it; the admin listener serves nothing else
+  but the open probes.
 - Probes and scrapes (`/health`, `/ready`, `/metrics`, `/metrics/engines`) stay open so
   orchestrators and Prometheus need no secret.
 
@@ -50,17 +55,23 @@ def bearer_matches(headers: list[tuple[bytes, bytes]], keys: list[bytes]) -> boo
 
 class Authenticate:
     def __init__(self, app: object, *, api_keys: list[str] | None,
-                 admin_key: str | None) -> None:
+                 admin_key: str | None, admin_port: int | None = None) -> None:
         self._app = app
         self._api_keys = [k.encode() for k in api_keys or []]
         self._admin_keys = [admin_key.encode()] if admin_key else []
+        self._admin_port = admin_port
 
     def refusal(self, scope: Scope) -> tuple[int, str] | None:
         """Why this HTTP request may not go on (status, message), or None if it may."""
         path = scope["path"]
         if path in OPEN_PATHS:
             return None
-        if is_admin_path(path):
+        admin = is_admin_path(path)
+        if self._admin_port is not None:
+            on_admin_listener = (scope.get("server") or (None, None))[1] == self._admin_port
+            if admin != on_admin_listener:
+                return (404, f"no route {path}")
+        if admin:
             if self._admin_keys:
                 if not bearer_matches(scope["headers"], self._admin_keys):
                     return (401, "missing or invalid admin key "

@@ -9,7 +9,7 @@ from dpserve.metrics.router import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 # Every label a router metric may carry: each has a small, known set of values.
-BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome"}
+BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason"}
 
 
 def router_metrics() -> RouterMetrics:
