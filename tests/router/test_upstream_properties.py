@@ -72,7 +72,7 @@ def feed(raw: bytes, cuts: list[int], *, eof: bool, release_early: bool = False)
         transport = FakeTransport()
         conn.connection_made(transport)  # type: ignore[arg-type]
         head = conn.send(b"POST /v1/completions HTTP/1.1\r\n\r\n", b"")
-        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+        pieces = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True) if b > a]
         response: UpstreamResponse | None = None
         body = bytearray()
         released = False
