@@ -54,5 +54,9 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 # tini is PID 1: it forwards SIGTERM (dpserve then drains and stops its replicas'
 # process groups) and reaps the engines' children.
+# /admin (deploys, drains) listens on the container's loopback only, port 8001: reach it with
+# `docker exec CONTAINER dpserve deploy --router http://127.0.0.1:8001 ...`. To publish
+# it, set DPSERVE_ADMIN_KEY (or --admin-key-file) and --admin-host 0.0.0.0.
 ENTRYPOINT ["tini", "--", "dpserve"]
-CMD ["serve", "--model", "/models/model", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["serve", "--model", "/models/model", "--host", "0.0.0.0", "--port", "8000", \
+     "--admin-port", "8001"]

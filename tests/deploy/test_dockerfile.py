@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from dpserve.cli import _parser
-from dpserve.config import RouterConfig
+from dpserve.config import RouterConfig, build_router_config
 from dpserve.router.app import Router, build_app
 from dpserve.router.pool import ReplicaPool
 
@@ -138,6 +138,15 @@ def served_port(final: list[Instruction]) -> tuple[str, int]:
 def test_the_default_command_is_a_valid_dpserve_command_listening_beyond_loopback(final):
     host, _ = served_port(final)
     assert host == "0.0.0.0"  # inside a container, 127.0.0.1 is unreachable from outside
+
+
+def test_the_default_command_starts_without_a_key_and_keeps_admin_on_loopback(final):
+    ns = _parser().parse_args(one(final, "CMD").exec_form())
+    flags = {k: v for k, v in vars(ns).items() if v is not None}
+    config = build_router_config(flags, env={})  # no admin key in the image's environment
+    assert config.admin_port is not None and config.admin_host == "127.0.0.1"
+    assert config.admin_port not in {int(p.split("/")[0]) for i in final if i.name == "EXPOSE"
+                                     for p in i.args.split()}
 
 
 def test_the_exposed_port_is_the_port_the_router_listens_on(final):
