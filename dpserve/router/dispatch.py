@@ -2,9 +2,11 @@
 the admission queue when every replica is full, and the per-replica breakers.
 
 The proxy asks :meth:`Dispatcher.choose` for a replica before each attempt and
-holds the returned :class:`Slot` while the attempt runs; the slot owns the
-in-flight count (through the pool's lease), the breaker permit and the wake-up
-of the admission queue, so no error path can leak any of them.
+holds the returned :class:`Slot` (``with slot:``) while the attempt runs; the
+slot owns the replica's in-flight count, the breaker permit and the wake-up of
+the admission queue, and gives them back exactly once however the attempt ends
+(an answer, an exception, a cancellation, a client gone), so no path can leak
+any of them.
 
 A replica may take a request when it is ready, its breaker lets requests
 through, this request has not tried it yet, and it is under its in-flight cap.
@@ -16,9 +18,8 @@ refused at once with 503 — waiting would only hide an outage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from types import TracebackType
 
 from dpserve.config import RouterConfig
 from dpserve.router.admission import (
@@ -43,14 +44,34 @@ class Unavailable(RouterError):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(slots=True)
 class Slot:
-    """One attempt's hold on one replica. Record how it ended with `outcome`."""
+    """One attempt's hold on one replica, as a context manager.
 
-    replica: Replica
-    permit: Permit
-    outcome: Outcome = Outcome.ABORTED
-    started: float = 0.0
+    Entering counts the attempt in flight on the replica; leaving gives the count
+    back, records `outcome` in the replica's circuit breaker, updates the mean
+    service time (successes only) and wakes the admission queue. Set `outcome` as
+    the attempt learns how it went; left unset, the attempt counts as aborted by the
+    router (cancelled, client gone), which no breaker holds against a replica.
+    """
+
+    __slots__ = ("_dispatcher", "outcome", "permit", "replica", "started")
+
+    def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit) -> None:
+        self._dispatcher = dispatcher
+        self.replica = replica
+        self.permit = permit
+        self.outcome = Outcome.ABORTED
+        self.started = 0.0
+
+    def __enter__(self) -> Slot:
+        self.replica.in_flight += 1
+        self.started = self._dispatcher._clock()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.replica.in_flight -= 1
+        self._dispatcher._finished(self)
 
 
 class Dispatcher:
@@ -105,7 +126,7 @@ class Dispatcher:
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:
             raise self._nothing_open(tried)
-        return Slot(replica, permit)
+        return Slot(self, replica, permit)
 
     def _nothing_open(self, tried: Collection[str]) -> Unavailable:
         if tried:
@@ -118,22 +139,8 @@ class Dispatcher:
                            "retry later", retry_after_s=max(1, round(
                                self._config.breaker_cooldown_s)))
 
-    @contextmanager
-    def hold(self, slot: Slot) -> Iterator[Slot]:
-        """Count the attempt in flight; on exit record its outcome and wake the queue."""
-        self.begin(slot)
-        try:
-            yield slot
-        finally:
-            self.end(slot)
-
-    def begin(self, slot: Slot) -> None:
-        """`hold` without a context manager, for the proxy's hot path: `end` must follow."""
-        self._pool.acquire(slot.replica)
-        slot.started = self._clock()
-
-    def end(self, slot: Slot) -> None:
-        self._pool.release(slot.replica)
+    def _finished(self, slot: Slot) -> None:
+        """A slot was left: the attempt's outcome goes to the breaker, its room to the queue."""
         now = self._clock()
         self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
         if slot.outcome is Outcome.SUCCESS:

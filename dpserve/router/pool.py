@@ -8,8 +8,9 @@ State machine of a replica (the router only sends to `ready` ones)::
         │        draining / reloading (admin)                        │
         └───────────── supervisor restarts the process ◀─────────────┘
 
-In-flight counts are owned by :meth:`ReplicaPool.lease`, a context manager:
-nothing else changes them, so a count can never leak on an error path.
+A replica's in-flight count is owned by the dispatcher's slot
+(:class:`dpserve.router.dispatch.Slot`), a context manager held for each attempt:
+nothing else changes it, so a count can never leak on an error path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from dpserve.router.engine_metrics import EngineLoad
@@ -36,7 +36,7 @@ class ReplicaState(enum.StrEnum):
 
 @dataclass(eq=False)
 class Replica:
-    """One vLLM engine server. `in_flight` is read-only outside the pool."""
+    """One vLLM engine server. `in_flight` is changed only by a dispatcher's slot."""
 
     id: str
     url: str
@@ -144,19 +144,3 @@ class ReplicaPool:
         replica.engine = load
         replica.engine_scraped_at = now
         replica.engine_in_flight_at_scrape = replica.in_flight
-
-    @contextmanager
-    def lease(self, replica: Replica) -> Iterator[Replica]:
-        """Count one request in flight on `replica` for the duration of the block."""
-        self.acquire(replica)
-        try:
-            yield replica
-        finally:
-            self.release(replica)
-
-    def acquire(self, replica: Replica) -> None:
-        """`lease` without a context manager, for the data plane: `release` must follow."""
-        replica.in_flight += 1
-
-    def release(self, replica: Replica) -> None:
-        replica.in_flight -= 1

@@ -253,13 +253,10 @@ class ProxyEndpoint:
                     self._metrics.queue_wait.labels(self.route).observe(
                         time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
-            self._dispatch.begin(slot)  # the slot's hold, without a context manager
-            try:
+            with slot:
                 result = await self._attempt(slot, line, body, headers,
                                              stream, rid, replied, start,
                                              last=attempt == attempts)
-            finally:
-                self._dispatch.end(slot)
             if isinstance(result, int):
                 return slot.replica.id, result
             last_error = f"replica {slot.replica.id}: {result}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.config import ConfigError, build_router_config
+from dpserve.config import ConfigError, RouterConfig, build_router_config
 from dpserve.replicas.launcher import free_port
 from dpserve.router.discovery import (
     Discovery,
@@ -23,6 +23,8 @@ from dpserve.router.discovery import (
     parse_target,
     resolve_a_records,
 )
+from dpserve.router.dispatch import Dispatcher
+from dpserve.router.policies import RequestInfo, make_policy
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
@@ -104,7 +106,11 @@ async def test_a_removed_replica_leaves_rotation_and_its_request_in_flight_finis
     leaving = pool.get("10.0.0.1:8000")
     seen = []
     pool.on_state_change(lambda r, old, new: seen.append((r.id, new)))
-    with pool.lease(leaving):
+    dispatcher = Dispatcher(pool, make_policy("round-robin"), RouterConfig())
+    slot = await dispatcher.choose(RequestInfo(route="/v1/completions"),
+                                   tried=["10.0.0.2:8000"])
+    assert slot.replica is leaving
+    with slot:
         await d.refresh()
         assert [r.id for r in pool.ready()] == ["10.0.0.2:8000"]
         assert leaving.in_flight == 1

@@ -16,19 +16,6 @@ def test_only_ready_replicas_take_requests():
     assert [r.id for r in pool.ready()] == ["r0", "r5"]
 
 
-def test_lease_counts_in_flight_and_releases_on_error():
-    pool = make_pool(ReplicaState.READY)
-    r = pool.get("r0")
-    with pool.lease(r):
-        with pool.lease(r):
-            assert r.in_flight == 2
-        assert r.in_flight == 1
-    assert r.in_flight == 0
-    with pytest.raises(RuntimeError), pool.lease(r):
-        raise RuntimeError("upstream failed")
-    assert r.in_flight == 0
-
-
 def test_mark_down_takes_a_replica_out_and_notifies_listeners():
     pool = make_pool(ReplicaState.READY, ReplicaState.READY)
     seen = []
