@@ -60,8 +60,9 @@ from _services import HOST, Service, free_ports, http_call, start_service, stop_
 from _tools import VLLM_ROUTER_SPEC, ensure_tool, vllm_router_version
 from router_overhead import export_ref, vllm_router_argv
 
-DPSERVE_POLICIES = ("least-outstanding", "round-robin", "prefix-affinity", "session-affinity",
-                    "engine-load")
+from dpserve.config import POLICIES
+
+DPSERVE_POLICIES = POLICIES
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 ROUTERS = tuple([f"dpserve:{p}" for p in DPSERVE_POLICIES]
                 + [f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES])

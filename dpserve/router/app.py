@@ -125,7 +125,7 @@ class Router:
             own_pause=rollout.hot_loading if rollout is not None else None)
         await health.check_all()  # replicas already up are ready on the first request
         self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
-        if self.config.policy == "engine-load":
+        if "engine_load" in self.policy.needs:
             scraper = EngineScraper(self.pool, self.config, self._control)
             await scraper.scrape_all()
             self._scrape_task = asyncio.create_task(scraper.run(), name="dpserve-engine-scrape")
@@ -171,7 +171,7 @@ def build_app(router: Router) -> DataPlaneFront:
         endpoint = ProxyEndpoint(
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
             metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
-            method=method,
+            keys=router.policy.needs, method=method,
         )
         forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))

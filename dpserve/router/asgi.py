@@ -109,15 +109,16 @@ class DisconnectWatch:
             self._watcher.cancel()
 
 
-async def send_json_error(replied: ReplyTracker, exc: RouterError, request_id: str,
-                          extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json_error(replied: ReplyTracker, exc: RouterError, request_id: str) -> None:
     body = error_body(exc.status, exc.message, param=exc.param)
-    await replied.start(exc.status, [
+    headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (REQUEST_ID_HEADER.encode(), request_id.encode()),
-        *(extra or []),
-    ])
+    ]
+    if exc.retry_after_s is not None:
+        headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+    await replied.start(exc.status, headers)
     await replied.body(body, more=False)
 
 

@@ -40,8 +40,7 @@ class Unavailable(RouterError):
     """No replica may take the request; carries the seconds for `Retry-After`."""
 
     def __init__(self, status: int, message: str, *, retry_after_s: int) -> None:
-        super().__init__(status, message)
-        self.retry_after_s = retry_after_s
+        super().__init__(status, message, retry_after_s=retry_after_s)
 
 
 class Slot:

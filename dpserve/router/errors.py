@@ -20,11 +20,14 @@ from starlette.responses import Response
 class RouterError(Exception):
     """An error the router answers itself, with its HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
+        """Seconds for a `Retry-After` header (overload, no replica), if any."""
 
 
 def error_type(status: int) -> str:

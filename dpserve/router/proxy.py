@@ -26,7 +26,6 @@ Order of events for one request:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -46,12 +45,12 @@ from dpserve.router.asgi import (
     upstream_header_block,
 )
 from dpserve.router.breaker import Outcome, classify
-from dpserve.router.budget import BodyBudget, BodyHold
+from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.policies import RequestInfo
-from dpserve.router.policies.keys import prompt_prefix, session_id
 from dpserve.router.pool import ReplicaPool
+from dpserve.router.request import ClientGone, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
 
@@ -62,8 +61,24 @@ log = logging.getLogger("dpserve.proxy")
 _UNREACHABLE = (OSError,)
 
 
-class _ClientGone(Exception):
-    """The client disconnected; stop working on its request."""
+class Exchange:
+    """One client request on its way through the proxy: what every step reads."""
+
+    __slots__ = ("body", "headers", "info", "line", "replied", "request_id", "start",
+                 "stream")
+
+    def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
+        self.request_id = request_id
+        self.replied = replied
+        self.start = start
+        """`time.perf_counter()` when the request arrived."""
+        self.body = b""
+        self.info = RequestInfo(route="")
+        self.stream = False
+        self.line = b""
+        """The upstream request line less its version: `POST /v1/completions?query`."""
+        self.headers = b""
+        """The upstream header block after `host`, blank line included."""
 
 
 class ProxyEndpoint:
@@ -79,6 +94,7 @@ class ProxyEndpoint:
         metrics: RouterMetrics,
         upstream: Callable[[], UpstreamPool],
         bodies: BodyBudget,
+        keys: frozenset[str] = frozenset(),
         method: str = "POST",
     ) -> None:
         self.route = route
@@ -90,8 +106,8 @@ class ProxyEndpoint:
         self._metrics = metrics
         self._upstream = upstream
         self._has_body = method == "POST"
-        self._wants_session = config.policy == "session-affinity"
-        self._wants_prefix = config.policy == "prefix-affinity"
+        self._keys = keys
+        """The affinity keys the policy reads (`Policy.needs`): no other is computed."""
         # Per-request costs kept out of the hot path: parsed replica URLs, the request
         # line, and the metric children of this route.
         self._origins: dict[str, Origin] = {}
@@ -117,25 +133,25 @@ class ProxyEndpoint:
         child.inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        start = time.perf_counter()
-        rid = request_id(scope)
+        ex = Exchange(request_id(scope), ReplyTracker(send), time.perf_counter())
         served_by = "none"
         status = 500
-        replied = ReplyTracker(send)
         watch: DisconnectWatch | None = None
         try:
+            if scope["method"] != self.method:  # HEAD of a GET route: never forwarded
+                raise RouterError(405, f"method {scope['method']} is not allowed on "
+                                       f"{self.route}")
             with self._bodies.hold() as hold:
-                body, info, stream = await self._read_request(scope, receive, hold)
-                watch = DisconnectWatch(receive, asyncio.current_task(), replied)
-                served_by, status = await self._forward(scope, body, info, stream, rid,
-                                                        replied, start)
+                ex.body = await read_body(scope, receive, hold, allowed=self._has_body,
+                                          limit=self._config.max_body_bytes)
+                self._prepare(ex, scope)
+                watch = DisconnectWatch(receive, asyncio.current_task(), ex.replied)
+                served_by, status = await self._forward(ex)
         except RouterError as exc:
             status = exc.status
-            if not replied.started:
-                extra = ([(b"retry-after", str(exc.retry_after_s).encode())]
-                         if isinstance(exc, Unavailable) else None)
-                await send_json_error(replied, exc, rid, extra)
-        except _ClientGone:
+            if not ex.replied.started:
+                await send_json_error(ex.replied, exc, ex.request_id)
+        except ClientGone:
             status = 499  # client closed request (nginx's convention)
             self._metrics.client_disconnects.labels(self.route).inc()
         except asyncio.CancelledError:
@@ -148,91 +164,32 @@ class ProxyEndpoint:
             status = 499
             self._metrics.client_disconnects.labels(self.route).inc()
         except Exception:
-            log.exception("request %s: unhandled error on %s", rid, self.route)
+            log.exception("request %s: unhandled error on %s", ex.request_id, self.route)
             status = 500
-            if not replied.started:
-                await send_json_error(replied, RouterError(500, "internal router error"), rid)
+            if not ex.replied.started:
+                await send_json_error(ex.replied, RouterError(500, "internal router error"),
+                                      ex.request_id)
         finally:
             if watch is not None:
                 watch.stop()
             self._count(served_by, status)
-            self._duration.observe(time.perf_counter() - start)
+            self._duration.observe(time.perf_counter() - ex.start)
 
-    async def _read_request(
-        self, scope: Scope, receive: Receive, hold: BodyHold
-    ) -> tuple[bytes, RequestInfo, bool]:
-        if scope["method"] != self.method:  # HEAD of a GET route: never forwarded
-            raise RouterError(405, f"method {scope['method']} is not allowed on {self.route}")
-        limit = self._config.max_body_bytes
-        declared: bytes | None = None
-        chunked = False
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                declared = value
-            elif name == b"transfer-encoding":
-                chunked = True
-        if not self._has_body and (chunked or declared not in (None, b"0")):
-            raise RouterError(400, f"{self.method} {self.route} takes no request body")
-        if declared is not None and declared.isdigit():
-            if int(declared) > limit:
-                raise RouterError(413, f"request body is larger than the limit of {limit} bytes")
-            self._hold(hold, int(declared))  # refuse before reading, not after
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise RouterError(413, f"request body is larger than the limit of {limit} bytes")
-            self._hold(hold, size)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        if not self._has_body:
-            if size:
-                raise RouterError(400, f"{self.method} {self.route} takes no request body")
-            return b"", RequestInfo(route=self.route), False
-        body = b"".join(chunks)
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RouterError(400, f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise RouterError(400, "request body is nested too deeply") from None
-        if not isinstance(payload, dict):
-            raise RouterError(400, "request body must be a JSON object")
-        model = payload.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RouterError(400, "'model' must be a string", param="model")
-        stream = payload.get("stream", False)
-        if not isinstance(stream, bool) and stream is not None:
-            raise RouterError(400, "'stream' must be a boolean", param="stream")
-        known = self._pool.served_models()
-        if model is not None and known and model not in known:
-            raise RouterError(404, f"The model `{model}` does not exist.", param="model")
-        info = RequestInfo(
-            route=self.route, model=model,
-            session_id=session_id(scope["headers"], payload) if self._wants_session else None,
-            prefix=(prompt_prefix(payload, self._config.prefix_chars)
-                    if self._wants_prefix else None),
-        )
-        return body, info, stream is True
-
-    def _hold(self, hold: BodyHold, size: int) -> None:
-        if not hold.grow_to(size):
-            raise Unavailable(503, "the router holds as many request bytes as it may "
-                                   "(max_inflight_body_bytes); retry shortly", retry_after_s=1)
-
-    async def _forward(
-        self, scope: Scope, body: bytes, info: RequestInfo, stream: bool, rid: str,
-        replied: ReplyTracker, start: float,
-    ) -> tuple[str, int]:
+    def _prepare(self, ex: Exchange, scope: Scope) -> None:
+        """What routing needs from the body, and the upstream request's line and head."""
+        if self._has_body:
+            parsed = parse_request(ex.body, scope["headers"], route=self.route,
+                                   known_models=self._pool.served_models(), keys=self._keys,
+                                   prefix_chars=self._config.prefix_chars)
+            ex.info, ex.stream = parsed.info, parsed.stream
+        else:
+            ex.info = RequestInfo(route=self.route)
         query = scope.get("query_string", b"")
-        line = self._request_line + (b"?" + query if query else b"")
-        headers = upstream_header_block(scope, rid, len(body) if self._has_body else None)
+        ex.line = self._request_line + (b"?" + query if query else b"")
+        ex.headers = upstream_header_block(scope, ex.request_id,
+                                           len(ex.body) if self._has_body else None)
+
+    async def _forward(self, ex: Exchange) -> tuple[str, int]:
         attempts = self._config.max_attempts
         tried: list[str] = []
         last_error, last_status = "", 502
@@ -243,7 +200,7 @@ class ProxyEndpoint:
                                             cap=self._config.retry_backoff_max_s))
             waited_from = time.perf_counter()
             try:
-                slot = await self._dispatch.choose(info, tried)
+                slot = await self._dispatch.choose(ex.info, tried)
             except Unavailable:
                 if not tried:
                     raise
@@ -254,15 +211,13 @@ class ProxyEndpoint:
                         time.perf_counter() - waited_from)
             tried.append(slot.replica.id)
             with slot:
-                result = await self._attempt(slot, line, body, headers,
-                                             stream, rid, replied, start,
-                                             last=attempt == attempts)
+                result = await self._attempt(ex, slot, last=attempt == attempts)
             if isinstance(result, int):
                 return slot.replica.id, result
             last_error = f"replica {slot.replica.id}: {result}"
             timed_out = slot.outcome in (Outcome.TIMEOUT, Outcome.CONNECT_TIMEOUT)
             last_status = 504 if timed_out else 502
-            log.warning("request %s: %s; %s", rid, last_error,
+            log.warning("request %s: %s; %s", ex.request_id, last_error,
                         "retrying on another replica" if attempt < attempts else "giving up")
         raise RouterError(last_status, f"no replica could serve the request ({last_error})")
 
@@ -270,20 +225,18 @@ class ProxyEndpoint:
         return not last and is_retryable(slot.outcome, status=status,
                                          bytes_sent_to_client=False, stream=stream)
 
-    async def _attempt(
-        self, slot: Slot, line: bytes, body: bytes, headers: bytes,
-        stream: bool, rid: str, replied: ReplyTracker, start: float, *, last: bool,
-    ) -> int | str:
+    async def _attempt(self, ex: Exchange, slot: Slot, *, last: bool) -> int | str:
         """The status sent to the client, or why to try another replica.
 
         Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
         """
         replica = slot.replica
+        stream = ex.stream
         origin = self._origin(replica.url)
-        head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (line, origin.host_header, headers)
+        head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (ex.line, origin.host_header, ex.headers)
         try:
             resp = await self._upstream().request(
-                origin, head, body, connect_timeout_s=self._config.connect_timeout_s,
+                origin, head, ex.body, connect_timeout_s=self._config.connect_timeout_s,
                 head_timeout_s=self._config.first_byte_timeout_s)
         except (*_UNREACHABLE, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
@@ -303,9 +256,9 @@ class ProxyEndpoint:
             slot.outcome = classify(resp.status, None)
             if self._retry(slot, stream, last, resp.status):
                 return f"answered {resp.status}"
-            out_headers = downstream_headers(resp, rid, replica)
+            out_headers = downstream_headers(resp, ex.request_id, replica)
             if stream and resp.content_type == "text/event-stream":
-                return await self._pass_stream(resp, slot, out_headers, replied, start)
+                return await self._pass_stream(ex, resp, slot, out_headers)
             cap = self._config.max_response_bytes
             try:
                 if resp.complete:  # small responses arrive with their head
@@ -324,16 +277,16 @@ class ProxyEndpoint:
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
             out_headers.append((b"content-length", str(len(payload)).encode()))
-            self._first_byte.observe(time.perf_counter() - start)
-            await replied.start(resp.status, out_headers)
-            await replied.body(payload, more=False)
+            self._first_byte.observe(time.perf_counter() - ex.start)
+            await ex.replied.start(resp.status, out_headers)
+            await ex.replied.body(payload, more=False)
             return resp.status
         finally:
             resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts
 
     async def _pass_stream(
-        self, resp: UpstreamResponse, slot: Slot, headers: list[tuple[bytes, bytes]],
-        replied: ReplyTracker, start: float,
+        self, ex: Exchange, resp: UpstreamResponse, slot: Slot,
+        headers: list[tuple[bytes, bytes]],
     ) -> int | str:
         """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
         replica = slot.replica
@@ -349,7 +302,8 @@ class ProxyEndpoint:
             slot.outcome = Outcome.TIMEOUT
             raise RouterError(504, f"replica {replica.id} sent no token within "
                                    f"{self._config.first_byte_timeout_s:g} s") from None
-        self._first_byte.observe(time.perf_counter() - start)
+        replied = ex.replied
+        self._first_byte.observe(time.perf_counter() - ex.start)
         await replied.start(resp.status, headers)
         chunk = first
         try:

@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable
 
+from dpserve.config import POLICIES
 from dpserve.router.policies.base import Policy, RequestInfo
 from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR
 from dpserve.router.policies.engine_load import EngineLoadPolicy
@@ -32,8 +33,8 @@ __all__ = [
     "make_policy",
 ]
 
-POLICY_NAMES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
-                "engine-load")
+POLICY_NAMES = POLICIES
+"""Every policy's configuration name (owned by dpserve.config, which validates it)."""
 
 
 def make_policy(

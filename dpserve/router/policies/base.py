@@ -23,6 +23,10 @@ class RequestInfo:
 
 class Policy(Protocol):
     name: str
+    needs: frozenset[str]
+    """What the policy reads beyond the route and model: `session_id` and `prefix` (fields
+    of RequestInfo, computed for a request only when some policy needs them) and
+    `engine_load` (the engines' own load, scraped from their /metrics)."""
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
         """Pick one of `candidates` (all able to serve), or None if there are none."""

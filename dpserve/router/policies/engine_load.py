@@ -35,6 +35,7 @@ class EngineLoadPolicy:
     """
 
     name = "engine-load"
+    needs: frozenset[str] = frozenset({"engine_load"})  # the engines' scraped load
 
     def __init__(self, *, waiting_weight: float = 1.0, kv_weight: float = 2.0,
                  max_age_s: float = 10.0, clock: Callable[[], float] = time.monotonic,

@@ -21,6 +21,7 @@ class LeastOutstanding:
     """
 
     name = "least-outstanding"
+    needs: frozenset[str] = frozenset()
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()

@@ -51,6 +51,7 @@ class PrefixAffinity:
     """
 
     name = "prefix-affinity"
+    needs: frozenset[str] = frozenset({"prefix"})
 
     def __init__(self, *, prefix_chars: int = DEFAULT_PREFIX_CHARS,
                  load_factor: float = PREFIX_LOAD_FACTOR, max_keys: int = DEFAULT_MAX_KEYS,

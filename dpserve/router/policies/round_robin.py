@@ -19,6 +19,7 @@ class RoundRobin:
     """
 
     name = "round-robin"
+    needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self._last: tuple[int, str] | None = None

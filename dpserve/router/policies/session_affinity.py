@@ -25,6 +25,7 @@ class SessionAffinity:
     """
 
     name = "session-affinity"
+    needs: frozenset[str] = frozenset({"session_id"})
 
     def __init__(self, *, load_factor: float = DEFAULT_LOAD_FACTOR,
                  vnodes: int = DEFAULT_VNODES, rng: random.Random | None = None) -> None:
