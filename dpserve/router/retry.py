@@ -13,11 +13,8 @@ seeded random source.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
 
 from dpserve.router.breaker import Outcome
-from dpserve.router.policies.base import Policy, RequestInfo
-from dpserve.router.pool import Replica
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 """A gateway or overload answer from the replica's side: another replica may
@@ -64,15 +61,3 @@ def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0, jitter: bool 
     if not jitter:
         return delay
     return (rng or random).uniform(0.0, delay)
-
-
-def exclude_tried(candidates: Sequence[Replica], tried: Collection[str]) -> list[Replica]:
-    """Candidates not tried yet by this request; all of them if every one was tried."""
-    fresh = [r for r in candidates if r.id not in tried]
-    return fresh or list(candidates)
-
-
-def next_replica(policy: Policy, candidates: Sequence[Replica], request: RequestInfo,
-                 tried: Collection[str]) -> Replica | None:
-    """The policy's choice for the next attempt, among replicas not tried yet if any remain."""
-    return policy.select(exclude_tried(candidates, tried), request)

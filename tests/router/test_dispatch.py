@@ -14,7 +14,7 @@ import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.router.breaker import Outcome
-from dpserve.router.dispatch import Dispatcher
+from dpserve.router.dispatch import Dispatcher, Unavailable
 from dpserve.router.policies import RequestInfo, make_policy
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.conftest import running_router
@@ -93,3 +93,16 @@ async def test_clients_that_leave_mid_stream_leave_no_count_behind(fake_replicas
             await asyncio.sleep(0.05)
         assert r0.in_flight == 0 and replica.open_streams == 0
         assert replica.closed_streams == 5
+
+
+async def test_a_retry_goes_to_a_replica_not_tried_yet_and_none_is_tried_twice():
+    d, _ = dispatcher(3)
+    tried: list[str] = []
+    for _ in range(3):
+        slot = await d.choose(REQUEST, tried)
+        assert slot.replica.id not in tried
+        tried.append(slot.replica.id)
+    with pytest.raises(Unavailable) as caught:
+        await d.choose(REQUEST, tried)
+    assert caught.value.status == 502
+    assert sorted(tried) == ["r0", "r1", "r2"]

@@ -5,9 +5,7 @@ import random
 import pytest
 
 from dpserve.router.breaker import Outcome
-from dpserve.router.policies import RequestInfo, RoundRobin
-from dpserve.router.pool import Replica
-from dpserve.router.retry import backoff, exclude_tried, is_retryable, next_replica
+from dpserve.router.retry import backoff, is_retryable
 
 
 @pytest.mark.parametrize(("outcome", "status", "stream", "retry"), [
@@ -54,18 +52,3 @@ def test_full_jitter_draws_between_zero_and_the_exponential_delay():
 def test_attempts_are_counted_from_one():
     with pytest.raises(ValueError, match="attempt"):
         backoff(0)
-
-
-def pool() -> list[Replica]:
-    return [Replica(id=f"r{i}", url=f"http://r{i}") for i in range(3)]
-
-
-def test_a_retry_goes_to_a_replica_not_tried_yet():
-    assert [r.id for r in exclude_tried(pool(), {"r0", "r2"})] == ["r1"]
-    assert next_replica(RoundRobin(), pool(), RequestInfo(route="/v1/completions"),
-                        {"r0"}).id == "r1"
-
-
-def test_when_every_replica_was_tried_they_are_all_candidates_again():
-    assert [r.id for r in exclude_tried(pool(), {"r0", "r1", "r2"})] == ["r0", "r1", "r2"]
-    assert exclude_tried([], {"r0"}) == []
