@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import prometheus_client
 
@@ -73,6 +73,9 @@ def _admin_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key-file", help="file with the admin key (or DPSERVE_ADMIN_KEY)")
 
 
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpserve",
@@ -80,7 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_router, _add_deploy, _add_status, _add_finetune, _add_demo,
+                _add_config_reference, _add_build_tiny_model):
+        add(sub)
+    return parser
 
+
+def _add_serve(sub: Subparsers) -> None:
     serve = sub.add_parser(
         "serve", help="start one vLLM replica per GPU (or CPU slice) and the router",
         description="Arguments after `--` are passed to every `vllm serve`.",
@@ -95,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--run-dir", help="where per-replica logs go (default ./runs)")
     _router_flags(serve)
 
+
+def _add_router(sub: Subparsers) -> None:
     router = sub.add_parser("router", help="run the router alone in front of existing replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
@@ -117,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                              "`dpserve deploy` checks checkpoints against it")
     _router_flags(router)
 
+
+def _add_deploy(sub: Subparsers) -> None:
     deploy = sub.add_parser(
         "deploy", help="hot-load a fine-tuned checkpoint into the running replicas",
         description="Validate a checkpoint against the served model, then reload it into "
@@ -137,9 +150,13 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--timeout-s", type=float, help="--watch: stop after S seconds")
     _admin_client_flags(deploy)
 
+
+def _add_status(sub: Subparsers) -> None:
     status = sub.add_parser("status", help="replicas, their state, load and weight version")
     _admin_client_flags(status)
 
+
+def _add_finetune(sub: Subparsers) -> None:
     finetune = sub.add_parser(
         "finetune", help="fine-tune the model with PyTorch DDP (one process per GPU)",
         description="Train data-parallel under torch's elastic launcher; checkpoints go to "
@@ -148,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(finetune, launcher=True)
 
+
+def _add_demo(sub: Subparsers) -> None:
     from dpserve.demo import DEFAULT_STEPS as DEFAULT_DEMO_STEPS
 
     demo = sub.add_parser(
@@ -167,6 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--load-duration-s", type=float, default=20.0,
                       help="seconds the load test sends while the deploy runs (default 20)")
 
+
+def _add_config_reference(sub: Subparsers) -> None:
     reference = sub.add_parser(
         "config-reference", help="print the configuration reference (Markdown)",
         description="Every setting, flag and environment variable, generated from the "
@@ -175,10 +196,11 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--write", metavar="FILE", help="replace the reference block in FILE")
     mode.add_argument("--check", metavar="FILE", help="exit 1 if FILE's block is stale")
 
+
+def _add_build_tiny_model(sub: Subparsers) -> None:
     build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
     build.add_argument("--output", default="build/tiny-llama", help="directory to build into")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
-    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
