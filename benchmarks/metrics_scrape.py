@@ -34,24 +34,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import prometheus_client
 import uvicorn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # for tests.fake_nvml, the one fake NVML of the project
-
-from dpserve.config import RouterConfig  # noqa: E402
-from dpserve.metrics.gpu import GpuCollector  # noqa: E402
-from dpserve.metrics.process import ProcessCollector  # noqa: E402
-from dpserve.metrics.router import BREAKER_STATES, RouterMetrics  # noqa: E402
-from dpserve.replicas.launcher import free_port  # noqa: E402
-from dpserve.router.app import FORWARDED_ROUTES, Router, build_app  # noqa: E402
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState  # noqa: E402
-from dpserve.serve import bind_socket  # noqa: E402
-from tests.fake_nvml import FakeNvml, fake_gpus  # noqa: E402
+from dpserve.config import RouterConfig
+from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
+from dpserve.metrics.gpu import GpuCollector
+from dpserve.metrics.process import ProcessCollector
+from dpserve.metrics.router import BREAKER_STATES, RouterMetrics
+from dpserve.replicas.launcher import free_port
+from dpserve.router.app import FORWARDED_ROUTES, Router, build_app
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.serve import bind_socket
 
 TARGET_MS = 20.0
 TREE = ("import subprocess, sys, time;"

@@ -19,11 +19,11 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
 from dpserve.metrics.router import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
-from tests.fake_nvml import FakeNvml, fake_gpus
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dpserve.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),

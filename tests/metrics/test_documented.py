@@ -7,11 +7,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
 from dpserve.metrics.router import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
-from tests.fake_nvml import FakeNvml, fake_gpus
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpserve.metrics import fake_nvml
+from dpserve.metrics.fake_nvml import FakeGpu, FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
-from tests import fake_nvml
-from tests.fake_nvml import FakeGpu, FakeNvml, fake_gpus
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
