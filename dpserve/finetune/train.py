@@ -18,9 +18,11 @@ import argparse
 import contextlib
 import math
 import os
+import pickle
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -327,6 +329,21 @@ def _gather_rng(d: Dist) -> list[dict[str, Any]]:
     return gathered
 
 
+def load_tensors_only(path: Path, device: torch.device | str) -> Any:
+    """A file written by `torch.save`, unpickled with `weights_only`: tensors, containers
+    and plain values only. The training state lies on storage others may write; a full
+    unpickle would run whatever code a crafted file names. CheckpointError if it holds
+    anything else."""
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol first
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ckpt.CheckpointError(f"{path}: refusing to load it: it holds more than tensors "
+                                   f"and plain data ({reason})") from None
+
+
 def _load_train_state(output: Path, ckpt_dir: Path, cfg_model: str, model: torch.nn.Module,
                       optimizer: torch.optim.Optimizer, scheduler: Any, d: Dist) -> int:
     meta = ckpt.read_meta(ckpt_dir)
@@ -336,10 +353,10 @@ def _load_train_state(output: Path, ckpt_dir: Path, cfg_model: str, model: torch
             "resume with the same --model or use a new --output")
     state_dir = ckpt.train_state_dir(output, meta.step)
     assert state_dir is not None  # latest_checkpoint(with_train_state=True) checked it
-    state = torch.load(state_dir / "trainer.pt", map_location=d.device, weights_only=False)
+    state = load_tensors_only(state_dir / "trainer.pt", d.device)
     masters = state_dir / "master_weights.pt"
     if masters.exists():
-        model.load_state_dict(torch.load(masters, map_location=d.device))
+        model.load_state_dict(load_tensors_only(masters, d.device))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]
