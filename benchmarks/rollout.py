@@ -47,7 +47,7 @@ from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import DeployOptions, Rollout
 from dpserve.router.app import Router, build_app
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import bind_socket
+from dpserve.serve import bind_socket, make_rollout
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 
 POLL_S = 0.05
@@ -187,7 +187,8 @@ async def run(args: argparse.Namespace) -> list[Result]:
     model = build_tiny_model(Path(args.model))
     work = Path(tempfile.mkdtemp(prefix="dpserve-rollout-bench-"))
     checkpoints = make_checkpoints(model, work / "out")
-    router_cfg = RouterConfig(port=free_port(), log_level="warning")
+    router_cfg = RouterConfig(port=free_port(), log_level="warning", checkpoint_root=str(work),
+                              snapshot_dir=str(work / "snapshots"))
     cfg = ServeConfig(model=str(model), served_model_name=TINY_MODEL_NAME,
                       replicas=args.replicas, vllm_args=list(TINY_VLLM_ARGS),
                       run_dir=str(work / "runs"), router=router_cfg)
@@ -198,7 +199,7 @@ async def run(args: argparse.Namespace) -> list[Result]:
                                 weight_version=deployed.current.version) for s in specs])
     router = Router(pool, router_cfg)
     supervisor = Supervisor(specs, pool, cfg, deployed=deployed)
-    router.rollout = rollout = Rollout(pool, deployed, restarter=supervisor)
+    router.rollout = rollout = make_rollout(pool, deployed, router_cfg, restarter=supervisor)
     server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
                                            lifespan="on", http="httptools"))
     serving = asyncio.create_task(server.serve(sockets=[bind_socket("127.0.0.1",

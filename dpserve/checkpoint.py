@@ -15,6 +15,11 @@ last, fsyncs, and renames the directory into place, so a process killed at any
 moment never leaves something that looks complete. Deletion renames first and
 removes after, for the same reason. Checkpoints are never overwritten.
 
+Reading is defensive: a checkpoint directory may be written by others (the
+fine-tune job, anyone with the shared volume). Files are opened without
+following symbolic links and without blocking (a FIFO named like a file must
+not hang a reader), must be regular files, and metadata is read with a size cap.
+
 Errors: `CheckpointError` for a directory that is not a valid checkpoint or
 cannot be written as one (the message names the path and the problem);
 `ValueError` for arguments that could never be right (a negative step).
@@ -23,6 +28,7 @@ cannot be written as one (the message names the path and the problem);
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -41,6 +47,9 @@ META_FILE = "dpserve.json"
 FORMAT_VERSION = 1
 STATE_DIR = "train-state"
 STATE_MARKER = "complete"
+
+MAX_META_BYTES = 16 * 1024 * 1024
+"""Largest dpserve.json (or other JSON metadata) read; a real one is a few KiB."""
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _TEMP_DIR = re.compile(r"^\.step-\d{6,}\.tmp-")
@@ -123,9 +132,37 @@ class CheckpointMeta:
                    | {"loss": None if loss is None else float(loss)})
 
 
+def open_regular(path: Path, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of `path`, which must be a regular file: never follows a
+    symbolic link (in its last component), never blocks on a FIFO or device, and checks
+    the file type on the open descriptor (what is read), not only on the name."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: symbolic links are not allowed in a checkpoint"
+                                  ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: only regular files belong in a checkpoint")
+    return fd
+
+
+def read_capped(path: Path, limit: int = MAX_META_BYTES, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of a small regular file (see `open_regular`); CheckpointError past `limit`."""
+    fd = open_regular(path, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: larger than {limit} bytes; not checkpoint metadata")
+    return data
+
+
 def sha256_file(path: Path) -> str:
-    """sha256 hex of a file's bytes, read in chunks."""
-    with Path(path).open("rb") as f:
+    """sha256 hex of a regular file's bytes, read in chunks."""
+    with os.fdopen(open_regular(path), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -216,14 +253,29 @@ def read_meta(ckpt_dir: Path) -> CheckpointMeta:
     """Parse and validate `ckpt_dir/dpserve.json` (cheap: no hashing). Missing, unreadable
     or invalid metadata is a CheckpointError: such a directory is not a checkpoint."""
     ckpt_dir = Path(ckpt_dir)
+    return parse_meta(read_meta_bytes(ckpt_dir), ckpt_dir)
+
+
+def parse_meta(raw: bytes, ckpt_dir: Path) -> CheckpointMeta:
+    """Validate the bytes of `ckpt_dir/dpserve.json` (see `read_meta`)."""
     try:
-        data = json.loads((ckpt_dir / META_FILE).read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{ckpt_dir}: cannot read {META_FILE}: "
+                              f"{exc if not isinstance(exc, RecursionError) else 'too deep'}"
+                              ) from None
+    return CheckpointMeta.from_json(data, ckpt_dir)
+
+
+def read_meta_bytes(ckpt_dir: Path, *, dir_fd: int | None = None) -> bytes:
+    where = META_FILE if dir_fd is not None else ckpt_dir / META_FILE
+    try:
+        return read_capped(Path(where), dir_fd=dir_fd)
     except FileNotFoundError:
         raise CheckpointError(f"{ckpt_dir}: no {META_FILE}, so not a complete checkpoint"
                               ) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{ckpt_dir}: cannot read {META_FILE}: {exc}") from None
-    return CheckpointMeta.from_json(data, ckpt_dir)
+    except OSError as exc:
+        raise CheckpointError(f"{ckpt_dir}: cannot read {META_FILE}: {exc.strerror}") from None
 
 
 def verify_checkpoint(ckpt_dir: Path) -> CheckpointMeta:

@@ -22,6 +22,7 @@ import uvicorn
 from dpserve.config import RouterConfig, ServeConfig
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
+from dpserve.metrics.router import RouterMetrics
 from dpserve.replicas.launcher import (
     free_port,
     plan_replicas,
@@ -30,7 +31,9 @@ from dpserve.replicas.launcher import (
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import Rollout
+from dpserve.rollout.lock import DeployLock
+from dpserve.rollout.rollout import Restarter, Rollout
+from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory
 from dpserve.router.pool import Replica, ReplicaPool
@@ -131,6 +134,23 @@ class _Signals:
             self._loop.remove_signal_handler(sig)
 
 
+def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
+                 restarter: Restarter | None = None, metrics: RouterMetrics | None = None,
+                 default_snapshot_dir: Path | None = None) -> Rollout:
+    """The rolling deploy as `config` sets it up: its snapshot store, checkpoint root,
+    deploy lock and deployed link."""
+    snapshot_dir = (Path(config.snapshot_dir) if config.snapshot_dir is not None
+                    else default_snapshot_dir)
+    return Rollout(
+        pool, deployed, restarter=restarter, metrics=metrics,
+        snapshots=SnapshotStore(snapshot_dir) if snapshot_dir is not None else None,
+        checkpoint_root=(Path(config.checkpoint_root) if config.checkpoint_root is not None
+                         else None),
+        lock=(DeployLock(config.deploy_lock, ttl_s=config.deploy_lock_ttl_s)
+              if config.deploy_lock is not None else None),
+        deployed_link=config.deployed_link)
+
+
 async def run_router(config: RouterConfig, replica_urls: list[str],
                      base_model: str | None = None) -> int:
     """Serve the router alone in front of replicas started elsewhere.
@@ -147,7 +167,7 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
         for i, url in enumerate(replica_urls)
     ])
     router = Router(pool, config)
-    router.rollout = rollout = Rollout(pool, deployed, metrics=router.metrics)
+    router.rollout = rollout = make_rollout(pool, deployed, config, metrics=router.metrics)
     sockets = listen(config)
     server = uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
@@ -174,8 +194,9 @@ async def run_serve(config: ServeConfig) -> int:
     supervisor = Supervisor(specs, pool, config,
                             on_restart=lambda rid: restarts.labels(rid).inc(),
                             deployed=deployed)
-    router.rollout = rollout = Rollout(pool, deployed, restarter=supervisor,
-                                       metrics=router.metrics)
+    router.rollout = rollout = make_rollout(
+        pool, deployed, config.router, restarter=supervisor, metrics=router.metrics,
+        default_snapshot_dir=Path(config.run_dir) / "snapshots")
     sockets = listen(config.router)
     server = uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))

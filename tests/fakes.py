@@ -69,6 +69,8 @@ class FakeReplica:
     logprobs) fails only once weights were reloaded."""
     dev_calls: list[str] = field(default_factory=list)
     """Dev endpoint calls in order, as `path?query`."""
+    reload_gate: asyncio.Event | None = None
+    """If set, a `reload_weights` call waits for it (a slow reload, held on cue)."""
     seen: list[str] = field(default_factory=list)
     """Every request that reached the replica, as `METHOD path?query`, health checks
     and scrapes left out: what a smuggled request would show up in."""
@@ -136,6 +138,10 @@ class FakeReplica:
                            ("/update_weight_version", "update_weight_version")):
             app.router.add_post(path, self._dev_endpoint(step))
         app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_get("/is_paused", self._is_paused)
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
@@ -158,6 +164,8 @@ class FakeReplica:
                 self._unpaused.set()
                 return web.json_response({"status": "resumed"})
             if step == "reload":
+                if self.reload_gate is not None:
+                    await self.reload_gate.wait()
                 self.weights = body["kwargs"]["weights_path"]
                 return web.json_response({"results": [None]})
             if step == "reset_prefix_cache":

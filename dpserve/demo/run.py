@@ -105,7 +105,8 @@ def run_demo(options: DemoOptions) -> int:
     ok = True
 
     cmd = serve_command(model_dir, replicas=options.replicas, port=port,
-                        served_name=TINY_MODEL_NAME, run_dir=out / "serve")
+                        served_name=TINY_MODEL_NAME, run_dir=out / "serve",
+                        checkpoint_root=out)  # the fine-tune writes its checkpoints there
     _section(f"1. serving {model_dir.name} on {options.replicas} replicas")
     print(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {out / 'serve.log'})", flush=True)
     with (out / "serve.log").open("wb") as log:

@@ -17,7 +17,10 @@ TINY_VLLM_ARGS = (
 )
 
 def serve_command(model_dir: Path, *, replicas: int, port: int, served_name: str,
-                  run_dir: Path | None = None) -> list[str]:
+                  run_dir: Path | None = None, checkpoint_root: Path | None = None
+                  ) -> list[str]:
+    """`dpserve serve` of the tiny model; deploys accept checkpoints under
+    `checkpoint_root` (default: beside the model)."""
     cmd = [
         sys.executable, "-m", "dpserve", "serve",
         "--model", str(model_dir), "--served-model-name", served_name,
@@ -25,6 +28,8 @@ def serve_command(model_dir: Path, *, replicas: int, port: int, served_name: str
     ]
     if run_dir is not None:
         cmd += ["--run-dir", str(run_dir)]
+    if checkpoint_root is not None:
+        cmd += ["--checkpoint-root", str(checkpoint_root)]
     return [*cmd, "--", *TINY_VLLM_ARGS]
 
 

@@ -15,15 +15,16 @@ is `/admin`'s (see dpserve.router.auth).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dpserve.rollout.progress import DEPLOY_FIELDS
 from dpserve.rollout.rollout import DeployOptions
 from dpserve.rollout.validate import Refused
+from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
 
 if TYPE_CHECKING:
@@ -38,12 +39,9 @@ def deploy_routes(router: Router) -> list[Route]:
         rollout = router.rollout
         if rollout is None:
             return unavailable()
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError:
-            return error_response(400, "body is not valid JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "body must be a JSON object")
+        body = await read_json_object(request, fields=DEPLOY_FIELDS)
+        if isinstance(body, Response):
+            return body
         checkpoint = body.get("checkpoint")
         if not isinstance(checkpoint, str) or not checkpoint.startswith("/"):
             return error_response(400, "checkpoint must be an absolute path to a checkpoint "

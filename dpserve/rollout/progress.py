@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,10 @@ log = logging.getLogger("dpserve.rollout")
 DEFAULT_CANARY_PROMPT = "The quick brown fox"
 
 MAX_EVENTS = 200
+MAX_WAIT_S = 86_400.0
+"""Longest accepted wait (drain, readiness) of one deploy: a day."""
+DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s")
+"""Fields a `POST /admin/deploy` body may hold."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,23 +45,27 @@ class DeployOptions:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> DeployOptions:
-        """Options from a request body; Refused(400) naming a bad field."""
+        """Options from a request body; Refused(400) naming a bad field. Numbers must be
+        finite and within bounds: they become timeouts and loop counts."""
         values: dict[str, Any] = {}
-        for name, kind, low in (("batch", int, 1), ("drain_wait_s", float, 0.0),
-                                ("ready_timeout_s", float, 0.0)):
+        for name, kind, low, high in (("batch", int, 1, 10_000),
+                                      ("drain_wait_s", float, 0.0, MAX_WAIT_S),
+                                      ("ready_timeout_s", float, 0.0, MAX_WAIT_S)):
             if body.get(name) is None:
                 continue
             value = body[name]
             if (isinstance(value, bool) or not isinstance(value, int | float)
-                    or (kind is int and not float(value).is_integer()) or value < low):
-                raise Refused(400, f"{name} must be a number >= {low}, got {value!r}",
-                              param=name)
+                    or not math.isfinite(value)
+                    or (kind is int and not float(value).is_integer())
+                    or not low <= value <= high):
+                raise Refused(400, f"{name} must be a{'n integer' if kind is int else ' number'}"
+                                   f" in {low:g}..{high:g}, got {value!r}", param=name)
             values[name] = kind(value)
         prompt = body.get("canary_prompt")
         if prompt is not None:
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise Refused(400, "canary_prompt must be a non-empty string",
-                              param="canary_prompt")
+            if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > 4096:
+                raise Refused(400, "canary_prompt must be a non-empty string of at most "
+                                   "4096 characters", param="canary_prompt")
             values["canary_prompt"] = prompt
         return cls(**values)
 
@@ -115,6 +124,8 @@ class DeployProgress:
     state: DeployState = DeployState.VALIDATING
     version: str | None = None
     previous_version: str | None = None
+    snapshot: str | None = None
+    """What the engines load: the checkpoint's copy in the snapshot store."""
     error: str | None = None
     replicas: list[ReplicaProgress] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
@@ -147,7 +158,8 @@ class DeployProgress:
         return {
             "id": self.id, "checkpoint": self.checkpoint, "state": self.state.value,
             "done": self.done, "version": self.version,
-            "previous_version": self.previous_version, "error": self.error,
+            "previous_version": self.previous_version, "snapshot": self.snapshot,
+            "error": self.error,
             "options": self.options, "started_at": self.started_at,
             "finished_at": self.finished_at,
             "replicas": [r.to_json() for r in self.replicas], "events": list(self.events),

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+from dpserve.checkpoint import CheckpointError
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
 from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S, EngineAdmin, EngineAdminError
 from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
@@ -58,6 +59,7 @@ from dpserve.rollout.progress import (
     Phase,
     ReplicaProgress,
 )
+from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
 from dpserve.rollout.validate import ModelFingerprint, Refused, fingerprint, validate_checkpoint
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
@@ -108,13 +110,26 @@ class Rollout:
     """Owns the deploy lock (one deploy at a time) and the recent deploys' records."""
 
     def __init__(self, pool: ReplicaPool, deployed: Deployed | None, *,
+                 snapshots: SnapshotStore | None = None,
+                 checkpoint_root: Path | None = None,
+                 lock: DeployLock | None = None,
+                 deployed_link: str | None = None,
                  restarter: Restarter | None = None,
                  metrics: RouterMetrics | None = None,
                  reload_timeout_s: float = RELOAD_TIMEOUT_S,
                  client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient) -> None:
+        """`snapshots`: where checkpoints are copied before they are checked (without one,
+        deploys are refused). `checkpoint_root`: deployable checkpoints lie inside it
+        (default: the served model's parent). `lock`: held (shared by every router) for
+        the whole of each deploy. `deployed_link`: a symlink pointed at each checkpoint
+        whose deploy succeeded (see point_link)."""
         self._pool = pool
         self._metrics = metrics
         self._deployed = deployed
+        self._snapshots = snapshots
+        self._checkpoint_root = checkpoint_root
+        self._lock = lock
+        self.deployed_link = deployed_link
         self._restarter = restarter
         self._reload_timeout_s = reload_timeout_s
         self._client_factory = client_factory
@@ -122,14 +137,11 @@ class Rollout:
         self._active: DeployProgress | None = None
         self._task: asyncio.Task[None] | None = None
         self._served: ModelFingerprint | None = None
-        self._lock: DeployLock | None = None
         self._hot_loading: set[str] = set()
-        self.deployed_link: str | None = None
-        """Symlink pointed at each checkpoint whose deploy succeeded (see point_link)."""
-
-    def use_lock(self, lock: DeployLock) -> None:
-        """Hold `lock` (shared by every router) for the whole of each deploy."""
-        self._lock = lock
+        self._lock_lost: str | None = None
+        """Why the deploy lock was lost during the deploy in progress, if it was."""
+        self._recent: collections.deque[str] = collections.deque(maxlen=2)
+        """Snapshots most recently deployed (kept by the store's prune for rollbacks)."""
 
     def hot_loading(self, replica: Replica) -> bool:
         """Whether this router's deploy is hot-loading `replica` now (its pause is ours)."""
@@ -160,6 +172,11 @@ class Rollout:
         if n > 1 and options.batch >= n:
             raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
                           param="batch")
+        if self._snapshots is None:
+            raise Refused(409, "this router has no snapshot store to copy checkpoints into "
+                               "before checking them: start `dpserve router` with "
+                               "--snapshot-dir DIR on storage every engine can read",
+                          param=None)
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         if self._lock is not None:
             try:
@@ -171,23 +188,32 @@ class Rollout:
         self._history[progress.id] = progress
         while len(self._history) > HISTORY:
             self._history.popitem(last=False)
+        self._lock_lost = None
+        # Renewed from the moment it is taken: copying and checking a large checkpoint
+        # can outlast the lock's time to live.
+        renewing = (asyncio.create_task(self._renew_lock(progress), name="dpserve-deploy-lock")
+                    if self._lock is not None else None)
         progress.event(f"validating {checkpoint}")
         try:
             target = await asyncio.to_thread(self._validate, Path(checkpoint))
-        except Refused as exc:
-            progress.finish(DeployState.REFUSED, exc.message)
-            await self._release_lock()
-            raise
+            if self._lock_lost is not None:
+                raise Refused(409, f"the deploy lock was lost while validating "
+                                   f"({self._lock_lost}); nothing was changed", param=None)
         except Exception as exc:
-            progress.finish(DeployState.FAILED, f"validation crashed: {exc!r}")
-            await self._release_lock()
+            refused = isinstance(exc, Refused)
+            progress.finish(DeployState.REFUSED if refused else DeployState.FAILED,
+                            exc.message if isinstance(exc, Refused)
+                            else f"validation crashed: {exc!r}")
+            await self._end_lock(renewing)
+            await asyncio.to_thread(self._prune_snapshots)
             raise
         progress.version = target.version
+        progress.snapshot = target.path
         progress.previous_version = self._deployed.current.version
         progress.replicas = [ReplicaProgress(r.id, from_version=r.weight_version)
                              for r in self._pool]
         progress.state = DeployState.ROLLING
-        self._task = asyncio.create_task(self._run(progress, target, options),
+        self._task = asyncio.create_task(self._run(progress, target, options, renewing),
                                          name=f"dpserve-deploy-{progress.id}")
         return progress
 
@@ -205,26 +231,34 @@ class Rollout:
                 pass
 
     def _validate(self, ckpt_dir: Path) -> Weights:
-        assert self._deployed is not None
+        """Snapshot the checkpoint into the store, then check the snapshot: what passes is
+        what the engines will load, byte for byte."""
+        assert self._deployed is not None and self._snapshots is not None
+        base = Path(self._deployed.base.path)
         if self._served is None:
-            base = Path(self._deployed.base.path)
             if not base.is_dir():
                 raise Refused(409, f"the served model {self._deployed.base.path} is not a local "
                                    "directory, so a checkpoint cannot be checked against it",
                               param=None)
             self._served = fingerprint(base)
-        meta = validate_checkpoint(ckpt_dir, self._served)
-        return checkpoint_weights(ckpt_dir, meta)
+        root = self._checkpoint_root or base.parent
+        try:
+            snapshot, meta = self._snapshots.take(ckpt_dir, within=root)
+        except OutsideRoot as exc:
+            raise Refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
+                          ) from None
+        except (CheckpointError, OSError) as exc:
+            raise Refused(422, str(exc)) from None
+        meta = validate_checkpoint(snapshot, self._served, meta)
+        return checkpoint_weights(snapshot, meta)
 
     async def _run(self, progress: DeployProgress, target: Weights,
-                   options: DeployOptions) -> None:
+                   options: DeployOptions, renewing: asyncio.Task[None] | None) -> None:
         assert self._deployed is not None
         previous = self._deployed.current
         self._deployed.current = target  # replicas (re)started from now on load the target
         progress.event(f"rolling out {target.version} (was {previous.version}) to "
                        f"{len(self._pool)} replica(s), {options.batch} at a time")
-        renewing = (asyncio.create_task(self._renew_lock(progress), name="dpserve-deploy-lock")
-                    if self._lock is not None else None)
         try:
             async with self._client_factory() as client:
                 run = _Run(progress, options, client)
@@ -232,6 +266,7 @@ class Rollout:
                 if error is None:
                     if self.deployed_link is not None:
                         await self._point_link(progress, target)
+                    self._recent.append(target.path)
                     self._finish(progress, DeployState.SUCCEEDED)
                     return
                 self._deployed.current = previous
@@ -248,20 +283,43 @@ class Rollout:
             self._deployed.current = previous
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
-            if renewing is not None:
-                renewing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewing
-            await self._release_lock()
+            await self._end_lock(renewing)
+            await asyncio.to_thread(self._prune_snapshots)
+
+    def _prune_snapshots(self) -> None:
+        """Delete snapshots nothing needs: not what replicas should serve, not the last
+        deploys' (rollbacks), not the deployed link's target (other routers' engines)."""
+        assert self._snapshots is not None and self._deployed is not None
+        in_use = [self._deployed.current.path, self._deployed.base.path, *self._recent]
+        if self.deployed_link is not None:
+            in_use.append(self.deployed_link)
+        try:
+            for path in self._snapshots.prune(in_use):
+                log.info("removed snapshot %s", path)
+        except OSError as exc:
+            log.warning("could not prune the snapshot store %s: %s", self._snapshots.root, exc)
 
     async def _renew_lock(self, progress: DeployProgress) -> None:
+        """Renew the lock until cancelled; if it was lost (taken over), note why and stop:
+        the deploy aborts at its next step (`_lock_lost`)."""
         assert self._lock is not None
         while True:
             await asyncio.sleep(self._lock.renew_every_s)
             try:
                 await asyncio.to_thread(self._lock.renew)
-            except (LockLost, OSError) as exc:
-                progress.event(f"deploy lock: {exc}", level=logging.ERROR)
+            except LockLost as exc:
+                self._lock_lost = str(exc)
+                progress.event(f"deploy lock lost: {exc}; aborting", level=logging.ERROR)
+                return
+            except OSError as exc:  # storage hiccup: the lock may still be ours, try again
+                progress.event(f"deploy lock: could not renew: {exc}", level=logging.ERROR)
+
+    async def _end_lock(self, renewing: asyncio.Task[None] | None) -> None:
+        if renewing is not None:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        await self._release_lock()  # a lock taken over is left alone (DeployLock.release)
 
     async def _point_link(self, progress: DeployProgress, target: Weights) -> None:
         assert self.deployed_link is not None
@@ -292,6 +350,8 @@ class Rollout:
         """Converge batch after batch; the first error message, or None."""
         replicas = list(self._pool)
         for i in range(0, len(replicas), run.options.batch):
+            if self._lock_lost is not None:
+                return f"the deploy lock was lost ({self._lock_lost}); stopped"
             group = replicas[i:i + run.options.batch]
             ids = {r.id for r in group}
             results = await asyncio.gather(

@@ -8,10 +8,12 @@ So every check happens here, before any replica changes, from what can be read
 without loading the model:
 
 1. `dpserve.json` is present and valid, every file matches its sha256, nothing
-   else is in the directory (`checkpoint.verify_checkpoint`);
+   else is in the directory (`checkpoint.verify_checkpoint`, or the snapshot store
+   as it copies the checkpoint: `dpserve.rollout.snapshot`);
 2. `config.json` equals the served model's (architecture, sizes, vocab size);
 3. tensor names, shapes and dtypes equal the served model's, read from the
-   safetensors headers (8-byte length + JSON), not from the tensors;
+   safetensors headers (8-byte length + JSON), not from the tensors; each tensor's
+   byte range is exactly its shape's worth, inside the file, overlapping no other;
 4. the tokenizer files are byte-identical to the served model's;
 5. no floating-point tensor holds NaN or infinity (a diverged run), checked on
    the raw bytes by their exponent bits, a chunk at a time.
@@ -24,6 +26,8 @@ served model. Messages name the file, tensor or key that differs.
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from dpserve.checkpoint import CheckpointError, CheckpointMeta, sha256_file, verify_checkpoint
+from dpserve.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    open_regular,
+    read_capped,
+    sha256_file,
+    verify_checkpoint,
+)
 
 CONFIG_FILE = "config.json"
 # Keys that describe how a config was written, not the model.
@@ -39,6 +50,11 @@ _CONFIG_IGNORED = frozenset({"_name_or_path", "transformers_version"})
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt",
                    "*.tiktoken", "chat_template*", "added_tokens.json")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+# Bytes per element of each safetensors dtype: a tensor's data range must be exactly
+# its shape's worth, inside the file, and overlap no other tensor's.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E5M2": 1, "F8_E4M3": 1,
+               "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+               "BOOL": 1}
 MAX_REPORTED = 5
 _CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -90,8 +106,8 @@ def fingerprint(model_dir: Path) -> ModelFingerprint:
     Refused(422) if one cannot be read."""
     model_dir = Path(model_dir)
     try:
-        config = json.loads((model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = json.loads(read_capped(model_dir / CONFIG_FILE).decode("utf-8"))
+    except (OSError, ValueError, RecursionError, CheckpointError) as exc:
         raise Refused(422, f"{model_dir}: cannot read {CONFIG_FILE}: {exc}") from None
     if not isinstance(config, dict):
         raise Refused(422, f"{model_dir}/{CONFIG_FILE}: must hold a JSON object")
@@ -114,9 +130,11 @@ def fingerprint(model_dir: Path) -> ModelFingerprint:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor names, dtypes, shapes and data offsets, from the header alone."""
+    """Tensor names, dtypes, shapes and data offsets, from the header alone; Refused(422)
+    unless every tensor's data is exactly its shape's worth of bytes, inside the file,
+    overlapping no other tensor's."""
     try:
-        with Path(path).open("rb") as f:
+        with os.fdopen(open_regular(Path(path)), "rb") as f:
             prefix = f.read(8)
             size = f.seek(0, 2)
             if len(prefix) < 8:
@@ -126,9 +144,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                 raise Refused(422, f"{path}: not a safetensors file (header length {length})")
             f.seek(8)
             header = json.loads(f.read(length))
+    except CheckpointError as exc:
+        raise Refused(422, str(exc)) from None
     except OSError as exc:
         raise Refused(422, f"{path}: cannot read: {exc.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise Refused(422, f"{path}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise Refused(422, f"{path}: safetensors header is not a JSON object")
@@ -143,7 +163,29 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                                          int(entry["data_offsets"][1])))
         except (KeyError, TypeError, ValueError, IndexError):
             raise Refused(422, f"{path}: malformed header entry for tensor {name}") from None
+    _check_layout(path, tensors, data_bytes=size - 8 - length)
     return tensors
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorInfo], *, data_bytes: int) -> None:
+    end_of_last, last = 0, None
+    for name, info in sorted(tensors.items(), key=lambda kv: kv[1].offsets):
+        begin, end = info.offsets
+        width = DTYPE_BYTES.get(info.dtype)
+        if width is None:
+            raise Refused(422, f"{path}: tensor {name} has an unknown dtype {info.dtype!r}")
+        if any(d < 0 for d in info.shape):
+            raise Refused(422, f"{path}: tensor {name} has a negative dimension")
+        if not 0 <= begin <= end <= data_bytes:
+            raise Refused(422, f"{path}: tensor {name}'s data offsets [{begin}, {end}] are "
+                               f"reversed or outside the file's {data_bytes} data bytes")
+        if end - begin != math.prod(info.shape) * width:
+            raise Refused(422, f"{path}: tensor {name} holds {end - begin} bytes, but its "
+                               f"shape {list(info.shape)} of {info.dtype} needs "
+                               f"{math.prod(info.shape) * width}")
+        if begin < end_of_last:
+            raise Refused(422, f"{path}: tensors {last} and {name} overlap")
+        end_of_last, last = end, name
 
 
 def differences(served: ModelFingerprint, candidate: ModelFingerprint) -> list[str]:
@@ -194,7 +236,7 @@ def check_finite(model_dir: Path, tensors: dict[str, TensorInfo]) -> None:
             continue
         view, mask = bits
         path = Path(model_dir) / info.file
-        with path.open("rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             start, end = 8 + length + info.offsets[0], 8 + length + info.offsets[1]
             width = np.dtype(view).itemsize
@@ -210,16 +252,19 @@ def check_finite(model_dir: Path, tensors: dict[str, TensorInfo]) -> None:
                                        "(did the fine-tuning diverge?)")
 
 
-def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint) -> CheckpointMeta:
+def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
+                        meta: CheckpointMeta | None = None) -> CheckpointMeta:
     """All the checks above, cheapest refusal first after integrity; returns the metadata.
+    `meta` given: integrity was checked already (a snapshot, hashed as it was copied).
     Reads every byte of the checkpoint: run it in a thread."""
     ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise Refused(422, f"{ckpt_dir}: no such directory on the router's machine")
-    try:
-        meta = verify_checkpoint(ckpt_dir)
-    except CheckpointError as exc:
-        raise Refused(422, str(exc)) from None
+    if meta is None:
+        if not ckpt_dir.is_dir():
+            raise Refused(422, f"{ckpt_dir}: no such directory on the router's machine")
+        try:
+            meta = verify_checkpoint(ckpt_dir)
+        except CheckpointError as exc:
+            raise Refused(422, str(exc)) from None
     candidate = fingerprint(ckpt_dir)
     found = differences(served, candidate)
     if found:

@@ -15,7 +15,6 @@ checked by `dpserve.router.auth.Authenticate` (admin key, or loopback only).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
 from dpserve.router.pool import Replica, ReplicaState
 
@@ -42,19 +42,6 @@ def describe(replica: Replica, now: float | None = None) -> dict[str, Any]:
     }
 
 
-async def _json_object(request: Request) -> dict[str, Any] | Response:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return error_response(400, "body is not valid JSON")
-    if not isinstance(body, dict):
-        return error_response(400, "body must be a JSON object")
-    return body
-
-
 def admin_routes(router: Router) -> list[Route]:
     pool = router.pool
 
@@ -72,7 +59,7 @@ def admin_routes(router: Router) -> list[Route]:
         replica = find(request)
         if isinstance(replica, Response):
             return replica
-        body = await _json_object(request)
+        body = await read_json_object(request, fields=("wait_s",))
         if isinstance(body, Response):
             return body
         wait_s = body.get("wait_s", 0)

@@ -28,7 +28,6 @@ from dpserve.config import RouterConfig
 from dpserve.metrics.federate import engine_metrics_endpoint
 from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
 from dpserve.rollout.api import deploy_routes
-from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Rollout
 from dpserve.router.admin import admin_routes
 from dpserve.router.asgi import Receive, Scope, Send
@@ -104,11 +103,6 @@ class Router:
         self._upstream = UpstreamPool()
         self._control = httpx.AsyncClient()
         rollout = self.rollout
-        if rollout is not None and self.config.deploy_lock is not None:
-            rollout.use_lock(DeployLock(self.config.deploy_lock,
-                                        ttl_s=self.config.deploy_lock_ttl_s))
-        if rollout is not None and self.config.deployed_link is not None:
-            rollout.deployed_link = self.config.deployed_link
         if self.config.discover is not None:
             self.discovery = Discovery(
                 self.pool, parse_target(self.config.discover),

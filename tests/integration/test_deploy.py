@@ -81,7 +81,8 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # The model's full context (vLLM takes the last --max-model-len): room for a generation
     # long enough to hold a replica in `draining` through a rollout's first steps.
     cmd = [*serve_command(tiny_model, replicas=2, port=port, served_name=MODEL_NAME,
-                          run_dir=work / "runs"), "--max-model-len", str(LONG_CONTEXT)]
+                          run_dir=work / "runs", checkpoint_root=work),
+           "--max-model-len", str(LONG_CONTEXT)]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
                                 start_new_session=True)

@@ -12,41 +12,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from aiohttp import web
 
 from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import Rollout, point_link
+from dpserve.rollout.rollout import point_link
 from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.serve import make_rollout
 from tests.conftest import serving
 from tests.fakes import MODEL, FakeReplica
 from tests.rollout.checkpoints import perturbed, write_variant
-
-
-class PausableFake(FakeReplica):
-    """A FakeReplica with `GET /is_paused`, whose reload waits for `reload_gate`."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.reload_gate = asyncio.Event()
-
-    def _add_dev_endpoints(self, app: web.Application) -> None:
-        super()._add_dev_endpoints(app)
-        app.router.add_get("/is_paused", self._is_paused)
-
-    async def _is_paused(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": self.paused})
-
-    def _dev_endpoint(self, step: str):  # type: ignore[no-untyped-def]
-        handle = super()._dev_endpoint(step)
-        if step != "reload":
-            return handle
-
-        async def held(request: web.Request) -> web.Response:
-            await self.reload_gate.wait()
-            return await handle(request)
-        return held
 
 
 @contextlib.asynccontextmanager
@@ -56,12 +31,14 @@ async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
     the lock, routes around paused replicas. Its rollout exists before it starts, as in
     `dpserve router`."""
     config = RouterConfig(health_interval_s=0.1, route_around_paused=True,
-                          deploy_lock=str(lock), deployed_link=str(link))
+                          deploy_lock=str(lock), deployed_link=str(link),
+                          snapshot_dir=str(lock.parent / "snapshots"),
+                          checkpoint_root="/")  # the test's checkpoint is in a temp dir
     deployed = Deployed(weights_for(str(link)))
     pool = ReplicaPool([Replica(id=f"r{i}", url=u, weight_version=deployed.current.version)
                         for i, u in enumerate(urls)])
     router = Router(pool, config)
-    router.rollout = rollout = Rollout(pool, deployed, metrics=router.metrics)
+    router.rollout = rollout = make_rollout(pool, deployed, config, metrics=router.metrics)
     async with serving(router) as running:
         try:
             yield running
@@ -85,7 +62,8 @@ def checkpoint(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
         tiny_model, checkpoint, tmp_path):
-    fakes = [await PausableFake(f"f{i}").start() for i in range(2)]
+    fakes = [await FakeReplica(f"f{i}", reload_gate=asyncio.Event()).start()
+             for i in range(2)]
     lock = tmp_path / "shared" / "deploy.lock"
     link = tmp_path / "current"  # what engines (re)start on
     link.symlink_to(tiny_model)
@@ -115,14 +93,16 @@ async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
             assert lock.exists()
 
             for fake in fakes:
+                assert fake.reload_gate is not None
                 fake.reload_gate.set()
             await a.rollout.wait()
             assert a.rollout.latest().state.value == "succeeded"
             assert not lock.exists()  # released: the next deploy may run on any router
-            assert link.resolve() == checkpoint.resolve()  # engines restarted now load it
+            snapshot = a.rollout.latest().snapshot
+            assert str(link.resolve()) == snapshot  # engines restarted now load it
             assert weights_for(str(link)).version == a.rollout.latest().version
             await wait_for(lambda: len(b.pool.ready()) == 2, "router B takes both back")
-            assert all(f.weights == str(checkpoint) for f in fakes)
+            assert all(f.weights == snapshot for f in fakes)
     finally:
         for fake in fakes:
             await fake.stop()
