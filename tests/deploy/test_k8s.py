@@ -293,35 +293,108 @@ def test_router_ports_probes_and_service_match_the_router(overlay):
     assert annotations["prometheus.io/path"] in paths
 
 
-def test_routers_share_the_deploy_lock_and_the_base_model_on_the_checkpoint_volume(overlay):
+def writable(mounts: list[Obj]) -> list[Obj]:
+    return [m for m in mounts if not m.get("readOnly")]
+
+
+def test_routers_write_only_the_lock_the_link_and_the_snapshots(overlay):
     _, objs = overlay
     router, c, ns = router_ns(objs)
     mounts = mounts_of_claim(router, c, "dpserve-data")
-    assert mounts and not any(m.get("readOnly") for m in mounts)  # the lock is written
-    assert under(ns.deploy_lock, mounts) and under(ns.base_model, mounts)
+    (rw,) = writable(mounts)  # one writable part of the volume, the rest read-only
+    for path in (ns.deploy_lock, ns.deployed_link, ns.snapshot_dir):
+        assert under(path, [rw]), path
+    assert under(ns.base_model, mounts) and under(ns.checkpoint_root, mounts)
+    assert not under(ns.checkpoint_root, [rw])  # checkpoints: read, copied, never written
     # Engines start on the link a successful deploy re-points, so a restarted engine
-    # serves what routers believe it serves.
-    engine_model = engine_args(find(objs, "StatefulSet", "dpserve-engine"))
+    # serves what routers believe it serves; they read the store at the same path.
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    engine_model = engine_args(engine)
     assert ns.deployed_link == ns.base_model == engine_model[engine_model.index("--model") + 1]
+    (ec,) = pod_spec(engine)["containers"]
+    engine_mounts = mounts_of_claim(engine, ec, "dpserve-data")
+    assert writable(engine_mounts) == []
+    assert [m["mountPath"] for m in engine_mounts if m.get("subPath") == rw.get("subPath")
+            ] == [rw["mountPath"]]
     assert ns.graceful_shutdown_s < pod_spec(router)["terminationGracePeriodSeconds"]
-    keys = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
-    assert set(keys) == {"DPSERVE_ADMIN_KEY", "DPSERVE_API_KEYS"}  # never on the command line
-    assert keys["DPSERVE_API_KEYS"].get("optional") is True
-    assert not keys["DPSERVE_ADMIN_KEY"].get("optional")
+
+
+def test_router_keys_are_required_files_from_the_secret_never_env_or_flags(overlay):
+    _, objs = overlay
+    router, c, ns = router_ns(objs)
+    assert not any(e["name"].startswith("DPSERVE_") for e in c.get("env", []))
+    secrets = {v["name"]: v["secret"] for v in pod_spec(router)["volumes"] if "secret" in v}
+    key_mounts = [m for m in c["volumeMounts"] if m["name"] in secrets]
+    assert key_mounts and all(m.get("readOnly") for m in key_mounts)
+    for path in (ns.api_key_file, ns.admin_key_file):
+        assert path and under(path, key_mounts), path
+        (mount,) = [m for m in key_mounts if under(path, [m])]
+        secret = secrets[mount["name"]]
+        assert not secret.get("optional")  # no key: the pod does not start
+        assert secret["defaultMode"] & 0o007 == 0  # not world-readable
+        assert path.rsplit("/", 1)[1] in {i["path"] for i in secret["items"]}
+
+
+# -- pod security ------------------------------------------------------------------------
+
+
+WORKLOADS = (("StatefulSet", "dpserve-engine"), ("Deployment", "dpserve-router"),
+             ("Job", "dpserve-finetune"))
+
+
+def test_every_pod_runs_confined(overlay):
+    _, objs = overlay
+    for kind, name in WORKLOADS:
+        spec = pod_spec(find(objs, kind, name))
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            # What they do write goes to an emptyDir at /tmp (HOME and caches point there).
+            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            (volume,) = [v for v in spec["volumes"] if v["name"] == tmp[0]["name"]]
+            assert "emptyDir" in volume and volume["emptyDir"].get("sizeLimit"), name
 
 
 # -- network policy ----------------------------------------------------------------------
 
 
+def policies(objs: list[Obj]) -> list[Obj]:
+    return [o for o in objs if o["kind"] == "NetworkPolicy"]
+
+
+def labels_by_component(objs: list[Obj]) -> dict[str, dict[str, str]]:
+    return {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]:
+            o["spec"]["template"]["metadata"]["labels"]
+            for o in objs if o["kind"] in ("StatefulSet", "Deployment", "Job")}
+
+
+def applies(policy: Obj, labels: dict[str, str]) -> bool:
+    selector = policy["spec"]["podSelector"]
+    if not selects(selector.get("matchLabels", {}), labels):
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+               if e["operator"] == "In")
+
+
+def test_a_default_deny_policy_covers_every_pod_both_ways(overlay):
+    _, objs = overlay
+    deny = [p for p in policies(objs) if p["spec"]["podSelector"] == {}]
+    assert len(deny) == 1
+    assert sorted(deny[0]["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+    assert "ingress" not in deny[0]["spec"] and "egress" not in deny[0]["spec"]
+
+
 def test_only_router_pods_may_reach_the_engines(overlay):
     _, objs = overlay
-    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
-    labels = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]:
-              o["spec"]["template"]["metadata"]["labels"]
-              for o in objs if o["kind"] in ("StatefulSet", "Deployment", "Job")}
-    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels["engine"])
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
-    (rule,) = policy["spec"]["ingress"]
+    labels = labels_by_component(objs)
+    rules = [r for p in policies(objs) if applies(p, labels["engine"])
+             for r in p["spec"].get("ingress", [])]
+    (rule,) = rules
     allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace, no CIDR
     assert any(selects(a, labels["router"]) for a in allowed)
@@ -330,6 +403,37 @@ def test_only_router_pods_may_reach_the_engines(overlay):
     engine = find(objs, "StatefulSet", "dpserve-engine")
     (c,) = pod_spec(engine)["containers"]
     assert [p["port"] for p in rule["ports"]] == [named_port(c, "http")]
+    # ... and engines reach nothing at all.
+    assert [r for p in policies(objs) if applies(p, labels["engine"])
+            for r in p["spec"].get("egress", [])] == []
+
+
+def test_the_rendezvous_port_is_reachable_from_fine_tune_pods_only(overlay):
+    _, objs = overlay
+    labels = labels_by_component(objs)
+    rules = [r for p in policies(objs) if applies(p, labels["finetune"])
+             for r in p["spec"].get("ingress", [])]
+    assert rules
+    for rule in rules:
+        peers = rule["from"]
+        assert all(set(peer) == {"podSelector"} for peer in peers)
+        assert all(selects(peer["podSelector"]["matchLabels"], labels["finetune"])
+                   and not selects(peer["podSelector"]["matchLabels"], labels["router"])
+                   for peer in peers)
+
+
+def test_routers_may_only_reach_the_engines_and_dns(overlay):
+    _, objs = overlay
+    labels = labels_by_component(objs)
+    rules = [r for p in policies(objs) if applies(p, labels["router"])
+             for r in p["spec"].get("egress", [])]
+    for rule in rules:
+        for peer in rule["to"]:
+            if "namespaceSelector" in peer:  # DNS
+                assert peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+                assert {p["port"] for p in rule["ports"]} == {53}
+            else:
+                assert selects(peer["podSelector"]["matchLabels"], labels["engine"])
 
 
 # -- storage -----------------------------------------------------------------------------
