@@ -43,9 +43,9 @@ from dpserve.config import RouterConfig
 from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
-from dpserve.metrics.router import BREAKER_STATES, RouterMetrics
 from dpserve.replicas.launcher import free_port
 from dpserve.router.app import FORWARDED_ROUTES, Router, build_app
+from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.serve import bind_socket
 

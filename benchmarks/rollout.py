@@ -45,9 +45,9 @@ from dpserve.replicas.launcher import free_port, plan_replicas, usable_cores
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import DeployOptions, Rollout
-from dpserve.router.app import Router, build_app
+from dpserve.router.app import build_app
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import bind_socket, make_rollout
+from dpserve.serve import bind_socket, compose
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 
 POLL_S = 0.05
@@ -197,9 +197,8 @@ async def run(args: argparse.Namespace) -> list[Result]:
     deployed = Deployed(weights_for(cfg.model))
     pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
                                 weight_version=deployed.current.version) for s in specs])
-    router = Router(pool, router_cfg)
     supervisor = Supervisor(specs, pool, cfg, deployed=deployed)
-    router.rollout = rollout = make_rollout(pool, deployed, router_cfg, restarter=supervisor)
+    router, rollout = compose(pool, deployed, router_cfg, restarter=supervisor)
     server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
                                            lifespan="on", http="httptools"))
     serving = asyncio.create_task(server.serve(sockets=[bind_socket("127.0.0.1",

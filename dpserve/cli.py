@@ -258,7 +258,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "config-reference":
         from dpserve.config_reference import run
 
-        return run(write=ns.write, check=ns.check)
+        return run(build_parser(), write=ns.write, check=ns.check)
     if ns.command in ("deploy", "status"):
         from dpserve.rollout.client import run_admin_command
 

@@ -69,12 +69,10 @@ def _sections() -> list[Section]:
     ]
 
 
-def generate(parser: argparse.ArgumentParser | None = None) -> str:
-    """The reference as Markdown, between BEGIN and END (both included)."""
-    if parser is None:
-        from dpserve.cli import build_parser
-
-        parser = build_parser()
+def generate(parser: argparse.ArgumentParser) -> str:
+    """The reference as Markdown, between BEGIN and END (both included), for the
+    `dpserve` command line `parser` (passed in: the CLI depends on this module, not
+    the other way round)."""
     commands = _subparsers(parser)
     out = [BEGIN, "",
            "Each setting resolves as flag > environment variable > YAML file (`--config`) > "
@@ -143,9 +141,10 @@ def replace_block(text: str, block: str) -> str:
     return text[:start] + block.rstrip("\n") + text[end + len(END):]
 
 
-def run(*, write: str | None = None, check: str | None = None) -> int:
+def run(parser: argparse.ArgumentParser, *, write: str | None = None,
+        check: str | None = None) -> int:
     """Print the reference, or write it into / check it against a file's block."""
-    block = generate()
+    block = generate(parser)
     if not (write or check):
         sys.stdout.write(block)
         return 0

@@ -22,7 +22,6 @@ import uvicorn
 from dpserve.config import RouterConfig, ServeConfig
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
-from dpserve.metrics.router import RouterMetrics
 from dpserve.replicas.launcher import (
     free_port,
     plan_replicas,
@@ -30,12 +29,14 @@ from dpserve.replicas.launcher import (
     visible_gpus,
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
+from dpserve.rollout.api import deploy_routes
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Restarter, Rollout
 from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory
+from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 log = logging.getLogger("dpserve.serve")
@@ -151,6 +152,19 @@ def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterCon
         deployed_link=config.deployed_link)
 
 
+def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
+            restarter: Restarter | None = None, metrics: RouterMetrics | None = None,
+            default_snapshot_dir: Path | None = None) -> tuple[Router, Rollout]:
+    """The router and its rolling deploy, wired together (the composition root: the
+    router knows nothing of deploys but the callables and routes it is given)."""
+    metrics = metrics if metrics is not None else RouterMetrics(pool)
+    rollout = make_rollout(pool, deployed, config, restarter=restarter, metrics=metrics,
+                           default_snapshot_dir=default_snapshot_dir)
+    router = Router(pool, config, metrics=metrics, own_pause=rollout.hot_loading,
+                    weight_version=rollout.deployed_version, routes=deploy_routes(rollout))
+    return router, rollout
+
+
 async def run_router(config: RouterConfig, replica_urls: list[str],
                      base_model: str | None = None) -> int:
     """Serve the router alone in front of replicas started elsewhere.
@@ -166,8 +180,7 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
         Replica(id=f"r{i}", url=url.rstrip("/"), weight_version=version)
         for i, url in enumerate(replica_urls)
     ])
-    router = Router(pool, config)
-    router.rollout = rollout = make_rollout(pool, deployed, config, metrics=router.metrics)
+    router, rollout = compose(pool, deployed, config)
     sockets = listen(config)
     server = uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
@@ -189,14 +202,14 @@ async def run_serve(config: ServeConfig) -> int:
     deployed = Deployed(weights_for(config.model))
     pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
                                 weight_version=deployed.current.version) for s in specs])
-    router = Router(pool, config.router)
-    restarts = router.metrics.replica_restarts
+    metrics = RouterMetrics(pool)
+    restarts = metrics.replica_restarts
     supervisor = Supervisor(specs, pool, config,
                             on_restart=lambda rid: restarts.labels(rid).inc(),
                             deployed=deployed)
-    router.rollout = rollout = make_rollout(
-        pool, deployed, config.router, restarter=supervisor, metrics=router.metrics,
-        default_snapshot_dir=Path(config.run_dir) / "snapshots")
+    router, rollout = compose(pool, deployed, config.router, restarter=supervisor,
+                              metrics=metrics,
+                              default_snapshot_dir=Path(config.run_dir) / "snapshots")
     sockets = listen(config.router)
     server = uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))

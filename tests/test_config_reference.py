@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from dpserve import config_reference
+from dpserve.cli import build_parser
 from dpserve.config import RouterConfig, ServeConfig
 from dpserve.finetune.config import FinetuneConfig
 
@@ -15,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_readme_holds_the_generated_reference():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert config_reference.replace_block(readme, config_reference.generate()) == readme, (
+    block = config_reference.generate(build_parser())
+    assert config_reference.replace_block(readme, block) == readme, (
         "README.md's configuration reference is stale: run "
         "`dpserve config-reference --write README.md`")
 
 
 def test_every_setting_has_a_row_with_its_variable_and_meaning():
-    block = config_reference.generate()
+    block = config_reference.generate(build_parser())
     for cls, prefix in ((ServeConfig, ""), (RouterConfig, "router."),
                         (FinetuneConfig, "finetune.")):
         docs = config_reference.field_docs(cls)
@@ -35,7 +37,7 @@ def test_every_setting_has_a_row_with_its_variable_and_meaning():
 
 
 def test_flags_come_from_the_parser():
-    block = config_reference.generate()
+    block = config_reference.generate(build_parser())
     assert "| `router.port` | `--port` |" in block
     assert "| `finetune.max_steps` | `--max-steps` |" in block
     assert "| `router.api_key` | — |" in block  # a secret never has a flag

@@ -15,30 +15,19 @@ is `/admin`'s (see dpserve.router.auth).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dpserve.rollout.progress import DEPLOY_FIELDS
-from dpserve.rollout.rollout import DeployOptions
+from dpserve.rollout.rollout import DeployOptions, Rollout
 from dpserve.rollout.validate import Refused
 from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
 
-if TYPE_CHECKING:
-    from dpserve.router.app import Router
 
-
-def deploy_routes(router: Router) -> list[Route]:
-    def unavailable() -> Response:
-        return error_response(503, "hot-loading is not set up on this router")
-
+def deploy_routes(rollout: Rollout) -> list[Route]:
     async def start(request: Request) -> Response:
-        rollout = router.rollout
-        if rollout is None:
-            return unavailable()
         body = await read_json_object(request, fields=DEPLOY_FIELDS)
         if isinstance(body, Response):
             return body
@@ -55,9 +44,6 @@ def deploy_routes(router: Router) -> list[Route]:
                             headers={"location": f"/admin/deploy/{progress.id}"})
 
     async def show(request: Request) -> Response:
-        rollout = router.rollout
-        if rollout is None:
-            return unavailable()
         deploy_id = request.path_params["deploy_id"]
         progress = rollout.get(deploy_id)
         if progress is None:
@@ -65,9 +51,6 @@ def deploy_routes(router: Router) -> list[Route]:
         return JSONResponse(progress.to_json())
 
     async def latest(request: Request) -> Response:
-        rollout = router.rollout
-        if rollout is None:
-            return unavailable()
         progress = rollout.latest()
         if progress is None:
             return error_response(404, "no deploy yet")

@@ -64,7 +64,7 @@ from dpserve.rollout.validate import ModelFingerprint, Refused, fingerprint, val
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 if TYPE_CHECKING:
-    from dpserve.metrics.router import RouterMetrics
+    from dpserve.router.metrics import RouterMetrics
 
 log = logging.getLogger("dpserve.rollout")
 
@@ -150,6 +150,10 @@ class Rollout:
     @property
     def deployed(self) -> Deployed | None:
         return self._deployed
+
+    def deployed_version(self) -> str | None:
+        """What a replica should serve now (None: the served model is not known)."""
+        return self._deployed.current.version if self._deployed is not None else None
 
     def get(self, deploy_id: str) -> DeployProgress | None:
         return self._history.get(deploy_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,10 +24,8 @@ from starlette.routing import Route
 
 from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
-from dpserve.router.pool import Replica, ReplicaState
-
-if TYPE_CHECKING:
-    from dpserve.router.app import Router
+from dpserve.router.health import HealthChecker
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 MAX_WAIT_S = 3600.0
 
@@ -42,8 +40,7 @@ def describe(replica: Replica, now: float | None = None) -> dict[str, Any]:
     }
 
 
-def admin_routes(router: Router) -> list[Route]:
-    pool = router.pool
+def admin_routes(pool: ReplicaPool, health: HealthChecker) -> list[Route]:
 
     def find(request: Request) -> Replica | Response:
         replica_id = request.path_params["replica_id"]
@@ -83,7 +80,7 @@ def admin_routes(router: Router) -> list[Route]:
             return error_response(409, f"replica {replica.id} is being reloaded")
         if replica.state is ReplicaState.DRAINING:
             pool.set_state(replica, ReplicaState.STARTING, "undrained by admin")
-            await router.health.check_one(replica)
+            await health.check_one(replica)
         return JSONResponse(describe(replica))
 
     return [

@@ -15,30 +15,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from dpserve.config import RouterConfig
-from dpserve.metrics.federate import engine_metrics_endpoint
-from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
-from dpserve.rollout.api import deploy_routes
-from dpserve.rollout.rollout import Rollout
+from dpserve.config import RouterConfig, parse_target
 from dpserve.router.admin import admin_routes
 from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.auth import Authenticate
 from dpserve.router.budget import BodyBudget
-from dpserve.router.discovery import Discovery, parse_target
+from dpserve.router.discovery import Discovery
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
+from dpserve.router.federate import engine_metrics_endpoint
 from dpserve.router.health import EngineScraper, HealthChecker
+from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.policies import make_policy
-from dpserve.router.pool import ReplicaPool
+from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.router.proxy import ProxyEndpoint
 from dpserve.router.upstream import UpstreamPool
 
@@ -57,32 +55,46 @@ FORWARDED_ROUTES = (
 
 
 class Router:
-    """The router's state and resources; start it before serving, close it after."""
+    """The router's state and resources, complete once constructed; `start` runs its
+    background work (discovery, health checks, engine scrapes), `aclose` ends it.
 
-    def __init__(self, pool: ReplicaPool, config: RouterConfig) -> None:
+    What the router does not own comes in as arguments, so it depends on nothing above
+    it: `own_pause` tells the health checks a replica is paused by this router's own
+    deploy (not someone else's), `weight_version` what a newly discovered replica
+    serves, and `routes` are more Starlette routes for the app (`/admin/deploy`).
+    """
+
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, *,
+                 metrics: RouterMetrics | None = None,
+                 own_pause: Callable[[Replica], bool] | None = None,
+                 weight_version: Callable[[], str | None] | None = None,
+                 routes: Sequence[BaseRoute] = ()) -> None:
         self.pool = pool
         self.config = config
-        self.metrics = RouterMetrics(pool)
+        self.metrics = metrics if metrics is not None else RouterMetrics(pool)
         self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
                                   load_factor=config.load_factor)
         self.dispatcher = Dispatcher(pool, self.policy, config)
         self.bodies = BodyBudget(config.max_inflight_body_bytes)
         """Request bytes held in memory by all requests together."""
-        self._upstream: UpstreamPool | None = None
-        self._control: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task[None] | None = None
-        self._scrape_task: asyncio.Task[None] | None = None
-        self._health: HealthChecker | None = None
-        self._discovery_task: asyncio.Task[None] | None = None
-        self.discovery: Discovery | None = None
-        self.rollout: Rollout | None = None
-        """Hot-loads of checkpoints (`/admin/deploy`); set by whoever knows the served model."""
-
-    @property
-    def health(self) -> HealthChecker:
-        if self._health is None:
-            raise RuntimeError("Router.start() has not been called")
-        return self._health
+        # No connection cap: the policy and vLLM's scheduler bound concurrency;
+        # a cap here would queue requests invisibly in the client.
+        self.upstream = UpstreamPool()
+        """The data plane's connections to the replicas."""
+        self.control = httpx.AsyncClient()
+        """The control plane's client: health checks, scrapes, admin calls."""
+        failures = self.metrics.health_check_failures
+        self.health = HealthChecker(pool, config, self.control,
+                                    on_failure=lambda r: failures.labels(r.id).inc(),
+                                    own_pause=own_pause)
+        self.discovery = (Discovery(pool, parse_target(config.discover),
+                                    interval_s=config.discover_interval_s,
+                                    weight_version=weight_version or (lambda: None))
+                          if config.discover is not None else None)
+        self.scraper = (EngineScraper(pool, config, self.control)
+                        if "engine_load" in self.policy.needs else None)
+        self.routes = list(routes)
+        self._tasks: list[asyncio.Task[None]] = []
 
     def refresh_gauges(self) -> None:
         """Gauges read at scrape time: breaker states and the admission queue's depth."""
@@ -92,48 +104,28 @@ class Router:
             self.metrics.set_breaker_state(replica.id, state.value)
         self.metrics.queue_depth.set(self.dispatcher.queue.waiting)
 
-    def upstream(self) -> UpstreamPool:
-        if self._upstream is None:
-            raise RuntimeError("Router.start() has not been called")
-        return self._upstream
-
     async def start(self) -> None:
-        # No connection cap: the policy and vLLM's scheduler bound concurrency;
-        # a cap here would queue requests invisibly in the client.
-        self._upstream = UpstreamPool()
-        self._control = httpx.AsyncClient()
-        rollout = self.rollout
-        if self.config.discover is not None:
-            self.discovery = Discovery(
-                self.pool, parse_target(self.config.discover),
-                interval_s=self.config.discover_interval_s,
-                weight_version=lambda: (rollout.deployed.current.version
-                                        if rollout is not None and rollout.deployed else None))
+        """Find the replicas, check them once (those already up serve the first
+        request), then keep doing both in the background."""
+        if self.discovery is not None:
             await self.discovery.refresh()
-            self._discovery_task = asyncio.create_task(self.discovery.run(),
-                                                       name="dpserve-discovery")
-        failures = self.metrics.health_check_failures
-        self._health = health = HealthChecker(
-            self.pool, self.config, self._control,
-            on_failure=lambda r: failures.labels(r.id).inc(),
-            own_pause=rollout.hot_loading if rollout is not None else None)
-        await health.check_all()  # replicas already up are ready on the first request
-        self._health_task = asyncio.create_task(health.run(), name="dpserve-health")
-        if "engine_load" in self.policy.needs:
-            scraper = EngineScraper(self.pool, self.config, self._control)
-            await scraper.scrape_all()
-            self._scrape_task = asyncio.create_task(scraper.run(), name="dpserve-engine-scrape")
+            self._tasks.append(asyncio.create_task(self.discovery.run(),
+                                                   name="dpserve-discovery"))
+        await self.health.check_all()
+        self._tasks.append(asyncio.create_task(self.health.run(), name="dpserve-health"))
+        if self.scraper is not None:
+            await self.scraper.scrape_all()
+            self._tasks.append(asyncio.create_task(self.scraper.run(),
+                                                   name="dpserve-engine-scrape"))
 
     async def aclose(self) -> None:
-        for task in (self._discovery_task, self._health_task, self._scrape_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if self._upstream is not None:
-            self._upstream.close()
-        if self._control is not None:
-            await self._control.aclose()
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        self.upstream.close()
+        await self.control.aclose()
 
 
 def build_app(router: Router) -> DataPlaneFront:
@@ -157,8 +149,8 @@ def build_app(router: Router) -> DataPlaneFront:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/metrics/engines", engine_metrics_endpoint(router.pool, router.metrics),
               methods=["GET"]),
-        *admin_routes(router),
-        *deploy_routes(router),
+        *admin_routes(router.pool, router.health),
+        *router.routes,
     ]
     forwarded: dict[tuple[str, str], ProxyEndpoint] = {}
     for path, method in FORWARDED_ROUTES:

@@ -24,48 +24,14 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from dpserve.config import DnsTarget
 from dpserve.router.pool import Replica, ReplicaPool
 
 log = logging.getLogger("dpserve.discovery")
 
-SCHEMES = ("dns",)
-
-
-class DiscoveryError(ValueError):
-    """A discovery target that cannot be parsed; the message says why."""
-
-
 class LookupFailed(OSError):
     """The name could not be resolved now (timeout, server failure): try again later."""
-
-
-@dataclass(frozen=True)
-class DnsTarget:
-    """`dns://NAME:PORT`: replicas are `http://ADDRESS:PORT` for each A record of NAME."""
-
-    name: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"dns://{self.name}:{self.port}"
-
-
-def parse_target(text: str) -> DnsTarget:
-    """Parse `dns://NAME:PORT` (the only scheme so far); DiscoveryError if malformed."""
-    parts = urlsplit(text)
-    if parts.scheme not in SCHEMES:
-        raise DiscoveryError(f"expected dns://NAME:PORT, got {text!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None or not 0 < port < 65536:
-        raise DiscoveryError(f"expected dns://NAME:PORT with a port in 1..65535, got {text!r}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise DiscoveryError(f"expected dns://NAME:PORT and nothing else, got {text!r}")
-    return DnsTarget(parts.hostname, port)
 
 
 def replica_url(address: str, port: int) -> str:

@@ -35,8 +35,8 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from dpserve.metrics.router import FRONT_REJECTIONS
 from dpserve.router.errors import error_body
+from dpserve.router.metrics import FRONT_REJECTIONS
 
 log = logging.getLogger("dpserve.front")
 

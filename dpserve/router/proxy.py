@@ -28,11 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from dpserve.config import RouterConfig
-from dpserve.metrics.router import RouterMetrics, status_class
 from dpserve.router.asgi import (
     DisconnectWatch,
     Receive,
@@ -48,6 +46,7 @@ from dpserve.router.breaker import Outcome, classify
 from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
+from dpserve.router.metrics import RouterMetrics, status_class
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, parse_request, read_body
@@ -92,7 +91,7 @@ class ProxyEndpoint:
         dispatcher: Dispatcher,
         config: RouterConfig,
         metrics: RouterMetrics,
-        upstream: Callable[[], UpstreamPool],
+        upstream: UpstreamPool,
         bodies: BodyBudget,
         keys: frozenset[str] = frozenset(),
         method: str = "POST",
@@ -235,7 +234,7 @@ class ProxyEndpoint:
         origin = self._origin(replica.url)
         head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (ex.line, origin.host_header, ex.headers)
         try:
-            resp = await self._upstream().request(
+            resp = await self._upstream.request(
                 origin, head, ex.body, connect_timeout_s=self._config.connect_timeout_s,
                 head_timeout_s=self._config.first_byte_timeout_s)
         except (*_UNREACHABLE, TimeoutError) as exc:

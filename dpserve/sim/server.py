@@ -22,10 +22,11 @@ from aiohttp import web
 
 from dpserve.config import ConfigError
 from dpserve.router.errors import error_body
-from dpserve.sim import metrics, protocol
+from dpserve.sim import exposition, protocol
 from dpserve.sim.config import SimConfig
 from dpserve.sim.engine import Engine, SimSequence
 from dpserve.sim.faults import Fault
+from dpserve.sim.metrics import CONTENT_TYPE
 
 log = logging.getLogger("dpserve.sim")
 
@@ -211,8 +212,8 @@ class SimReplica:
         return web.Response(status=self._fault.health_status if self._fault else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(self.engine),
-                            headers={"Content-Type": metrics.CONTENT_TYPE})
+        return web.Response(body=exposition.render(self.engine),
+                            headers={"Content-Type": CONTENT_TYPE})
 
     async def _fault_endpoint(self, request: web.Request) -> web.Response:
         if request.method == "PUT":

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
-from dpserve.metrics.router import RouterMetrics
+from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dpserve.json"

@@ -29,10 +29,9 @@ import pytest
 import yaml
 
 from dpserve.cli import _parser
-from dpserve.config import RouterConfig
+from dpserve.config import RouterConfig, parse_target
 from dpserve.finetune.config import build_finetune_config
 from dpserve.router.app import Router, build_app
-from dpserve.router.discovery import parse_target
 from dpserve.router.pool import ReplicaPool
 
 ROOT = Path(__file__).parents[2]

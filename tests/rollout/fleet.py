@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -14,13 +15,14 @@ from pathlib import Path
 
 import httpx
 
+from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from tests.conftest import running_router
+from dpserve.serve import compose
+from tests.conftest import serving
 from tests.fakes import FakeReplica
 
 HOT_LOAD = ["/pause?mode=keep", "/collective_rpc",
@@ -68,20 +70,26 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def fleet(fake_replicas, tiny_model: Path, n: int = 2, *, supervised: bool = True,
-                knows_model: bool = True, lock: DeployLock | None = None,
-                checkpoint_root: Path | None = None, **fake: object) -> AsyncIterator[Fleet]:
-    """`checkpoint_root` defaults to the temp directory, where tests write checkpoints."""
+                knows_model: bool = True, checkpoint_root: Path | None = None,
+                **settings: object) -> AsyncIterator[Fleet]:
+    """A router composed as `dpserve serve` composes it, in front of `n` FakeReplicas.
+    `checkpoint_root` defaults to the temp directory, where tests write checkpoints;
+    `settings` go to the FakeReplicas, or to RouterConfig when they name its fields."""
+    router_fields = {f.name for f in dataclasses.fields(RouterConfig)}
+    config_settings = {k: v for k, v in settings.items() if k in router_fields}
+    fake = {k: v for k, v in settings.items() if k not in router_fields}
     fakes = [await fake_replicas(f"f{i}", **fake) for i in range(n)]
-    async with running_router([f.url for f in fakes]) as (base, router):
-        deployed = Deployed(weights_for(str(tiny_model)))
-        for r in router.pool:
-            r.weight_version = deployed.current.version
-        restarter = FakeRestarter(router.pool, deployed) if supervised else None
-        store = Path(tempfile.mkdtemp(prefix="snapshots-"))
-        router.rollout = rollout = Rollout(
-            router.pool, deployed if knows_model else None, restarter=restarter,
-            metrics=router.metrics, snapshots=SnapshotStore(store), lock=lock,
-            checkpoint_root=checkpoint_root or Path(tempfile.gettempdir()))
+    deployed = Deployed(weights_for(str(tiny_model)))
+    pool = ReplicaPool([Replica(id=f"r{i}", url=f.url, weight_version=deployed.current.version)
+                        for i, f in enumerate(fakes)])
+    store = Path(tempfile.mkdtemp(prefix="snapshots-"))
+    config = RouterConfig(health_interval_s=0.2, snapshot_dir=str(store),
+                          checkpoint_root=str(checkpoint_root or tempfile.gettempdir()),
+                          **config_settings)  # type: ignore[arg-type]
+    restarter = FakeRestarter(pool, deployed) if supervised else None
+    router, rollout = compose(pool, deployed if knows_model else None, config,
+                              restarter=restarter)
+    async with serving(router) as (base, _):
         f = Fleet(base, router, fakes, rollout, deployed, restarter)
 
         def count(*_: object) -> None:

@@ -137,8 +137,9 @@ def overlapping(header: dict) -> None:
 async def test_special_files_are_refused_at_once_and_the_lock_is_released(
         fake_replicas, tiny_model, checkpoint, tmp_path, break_it, status, says):
     break_it(checkpoint)
-    lock = DeployLock(tmp_path / "deploy.lock", ttl_s=30)
-    async with fleet(fake_replicas, tiny_model, 2, lock=lock) as f:
+    lock = DeployLock(tmp_path / "deploy.lock", ttl_s=30)  # to look at it
+    async with fleet(fake_replicas, tiny_model, 2, deploy_lock=str(lock.path),
+                     deploy_lock_ttl_s=30) as f:
         refused, body = await asyncio.wait_for(deploy(f, checkpoint), 10)
         assert (refused, says in body["error"]["message"]) == (status, True), body
         assert not lock.path.exists()
@@ -217,7 +218,8 @@ async def test_the_lock_is_renewed_while_a_slow_checkpoint_is_validated(
     monkeypatch.setattr(snapshot.SnapshotStore, "take", slow_take)
     lock = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     rival = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
-    async with fleet(fake_replicas, tiny_model, 2, lock=lock) as f:
+    async with fleet(fake_replicas, tiny_model, 2, deploy_lock=str(lock.path),
+                     deploy_lock_ttl_s=0.6) as f:
         deploying = asyncio.create_task(deploy(f, checkpoint))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
@@ -237,7 +239,8 @@ async def test_a_deploy_that_loses_its_lock_stops_and_rolls_back(
         fake_replicas, tiny_model, checkpoint, tmp_path):
     lock = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     gate = asyncio.Event()
-    async with fleet(fake_replicas, tiny_model, 3, lock=lock, reload_gate=gate) as f:
+    async with fleet(fake_replicas, tiny_model, 3, deploy_lock=str(lock.path),
+                     deploy_lock_ttl_s=0.6, reload_gate=gate) as f:
         deploying = asyncio.create_task(deploy(f, checkpoint))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30

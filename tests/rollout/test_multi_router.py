@@ -15,10 +15,10 @@ import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import point_link
+from dpserve.rollout.rollout import Rollout, point_link
 from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import make_rollout
+from dpserve.serve import compose
 from tests.conftest import serving
 from tests.fakes import MODEL, FakeReplica
 from tests.rollout.checkpoints import perturbed, write_variant
@@ -26,7 +26,7 @@ from tests.rollout.checkpoints import perturbed, write_variant
 
 @contextlib.asynccontextmanager
 async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
-        tuple[str, Router]]:
+        tuple[str, Router, Rollout]]:
     """A router set up as on Kubernetes: knows the model through the deployed link, shares
     the lock, routes around paused replicas. Its rollout exists before it starts, as in
     `dpserve router`."""
@@ -37,11 +37,10 @@ async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
     deployed = Deployed(weights_for(str(link)))
     pool = ReplicaPool([Replica(id=f"r{i}", url=u, weight_version=deployed.current.version)
                         for i, u in enumerate(urls)])
-    router = Router(pool, config)
-    router.rollout = rollout = make_rollout(pool, deployed, config, metrics=router.metrics)
-    async with serving(router) as running:
+    router, rollout = compose(pool, deployed, config)
+    async with serving(router) as (url, _):
         try:
-            yield running
+            yield url, router, rollout
         finally:
             await rollout.aclose()
 
@@ -69,8 +68,8 @@ async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
     link.symlink_to(tiny_model)
     urls = [f.url for f in fakes]
     try:
-        async with router_on(urls, link, lock) as (a_url, a), \
-                router_on(urls, link, lock) as (b_url, b), \
+        async with router_on(urls, link, lock) as (a_url, a, a_rollout), \
+                router_on(urls, link, lock) as (b_url, b, _), \
                 httpx.AsyncClient(timeout=30) as c:
             await wait_for(lambda: len(a.pool.ready()) == len(b.pool.ready()) == 2,
                            "both routers see both replicas ready")
@@ -95,12 +94,12 @@ async def test_a_deploy_is_safe_with_two_routers_in_front_of_the_same_replicas(
             for fake in fakes:
                 assert fake.reload_gate is not None
                 fake.reload_gate.set()
-            await a.rollout.wait()
-            assert a.rollout.latest().state.value == "succeeded"
+            await a_rollout.wait()
+            assert a_rollout.latest().state.value == "succeeded"
             assert not lock.exists()  # released: the next deploy may run on any router
-            snapshot = a.rollout.latest().snapshot
+            snapshot = a_rollout.latest().snapshot
             assert str(link.resolve()) == snapshot  # engines restarted now load it
-            assert weights_for(str(link)).version == a.rollout.latest().version
+            assert weights_for(str(link)).version == a_rollout.latest().version
             await wait_for(lambda: len(b.pool.ready()) == 2, "router B takes both back")
             assert all(f.weights == snapshot for f in fakes)
     finally:

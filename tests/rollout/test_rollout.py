@@ -10,10 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.rollout.deployed import Deployed, Weights, weights_for
-from dpserve.rollout.rollout import Rollout
+from dpserve.rollout.deployed import weights_for
 from dpserve.router.pool import ReplicaState
-from tests.conftest import running_router
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import HOT_LOAD, deploy, fleet, take_down
@@ -250,14 +248,13 @@ async def test_versions_are_in_the_replica_list_and_the_metrics(fake_replicas, t
     assert served.headers["x-dpserve-weight-version"] == version
 
 
-async def test_unknown_deploys_and_a_router_without_rollout_answer_in_the_envelope(
-        fake_replicas):
-    a = await fake_replicas("a")
-    async with running_router([a.url]) as (base, router), httpx.AsyncClient(base_url=base) as c:
-        off = await c.post("/admin/deploy", json={"checkpoint": "/x"})
-        router.rollout = Rollout(router.pool, Deployed(Weights("/x", "base:x")))
+async def test_unknown_deploys_and_a_router_without_a_model_answer_in_the_envelope(
+        fake_replicas, tiny_model):
+    async with fleet(fake_replicas, tiny_model, 1, knows_model=False) as f, \
+            httpx.AsyncClient(base_url=f.base) as c:
         none_yet = await c.get("/admin/deploy")
         unknown = await c.get("/admin/deploy/nope")
-    assert off.status_code == 503 and off.json()["error"]["code"] == 503
-    assert none_yet.status_code == 404
+        blind = await c.post("/admin/deploy", json={"checkpoint": "/x"})
+    assert none_yet.status_code == 404 and none_yet.json()["error"]["code"] == 404
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "deploy_id"
+    assert blind.status_code == 409 and "--base-model" in blind.json()["error"]["message"]

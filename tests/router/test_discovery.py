@@ -12,17 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.config import ConfigError, RouterConfig, build_router_config
-from dpserve.replicas.launcher import free_port
-from dpserve.router.discovery import (
-    Discovery,
+from dpserve.config import (
+    ConfigError,
     DiscoveryError,
     DnsTarget,
-    LookupFailed,
-    diff,
+    RouterConfig,
+    build_router_config,
     parse_target,
-    resolve_a_records,
 )
+from dpserve.replicas.launcher import free_port
+from dpserve.router.discovery import Discovery, LookupFailed, diff, resolve_a_records
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.policies import RequestInfo, make_policy
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState

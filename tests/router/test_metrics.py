@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve.metrics.router import BREAKER_STATES, RouterMetrics
+from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 # Every label a router metric may carry: each has a small, known set of values.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve.metrics.federate import label_sample, merge_expositions
 from dpserve.replicas.launcher import free_port
+from dpserve.router.federate import label_sample, merge_expositions
 from tests.conftest import running_router
 
 VLLM_LIKE = """\

@@ -25,7 +25,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from dpserve.metrics.router import CONTENT_TYPE, RouterMetrics
+from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 FETCH_TIMEOUT_S = 2.0

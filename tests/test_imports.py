@@ -1,0 +1,94 @@
+"""The import graph of `dpserve` has no cycles: not between modules, not between packages.
+
+Built from the source's AST, counting every import (also those made only for type
+checking, or inside a function), so a cycle cannot hide behind a deferred import.
+A package is a folder (`dpserve.router`, `dpserve.rollout`); the modules directly in
+`dpserve/` count as packages of their own.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dpserve
+
+ROOT = Path(dpserve.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = ["dpserve", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The dpserve modules `path` imports (a `from pkg import name` of a submodule
+    counts as importing that submodule)."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("dpserve")}
+        elif isinstance(node, ast.ImportFrom):
+            base = (".".join(package[:len(package) - node.level + 1] + ([node.module]
+                                                                       if node.module else []))
+                    if node.level else node.module or "")
+            if not base.startswith("dpserve"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules}
+
+
+def graph() -> dict[str, set[str]]:
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imports(p, modules) - {module_name(p)} for p in paths}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])  # dpserve.router.proxy -> dpserve.router; dpserve.config
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle found by depth-first search, each once, as a path."""
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt):], nxt]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    found.append(cycle)
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(graph()) == []
+
+
+def test_no_package_imports_itself_through_others():
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        src = package_of(module)
+        edges.setdefault(src, set()).update(package_of(t) for t in targets
+                                            if package_of(t) != src)
+    assert cycles(edges) == []
