@@ -30,9 +30,10 @@ from dpserve.replicas.launcher import (
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
 from dpserve.rollout.api import deploy_routes
+from dpserve.rollout.converge import Restarter
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.lock import DeployLock
-from dpserve.rollout.rollout import Restarter, Rollout
+from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory

@@ -41,27 +41,33 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import httpx
 
 from dpserve.checkpoint import CheckpointError
+from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
-from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S, EngineAdmin, EngineAdminError
+from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S
 from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
 from dpserve.rollout.progress import (
     DeployOptions,
     DeployProgress,
     DeployState,
-    Phase,
     ReplicaProgress,
 )
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
-from dpserve.rollout.validate import ModelFingerprint, Refused, fingerprint, validate_checkpoint
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.rollout.validate import (
+    ModelFingerprint,
+    Refused,
+    fingerprint,
+    refused,
+    validate_checkpoint,
+)
+from dpserve.router.pool import Replica, ReplicaPool
 
 if TYPE_CHECKING:
     from dpserve.router.metrics import RouterMetrics
@@ -69,41 +75,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpserve.rollout")
 
 HISTORY = 20
-_POLL_S = 0.05
-
-
-class Restarter(Protocol):
-    """What the supervisor offers the rollout (absent in router-only mode)."""
-
-    def launched(self, replica_id: str) -> tuple[int, str | None]:
-        """(processes started so far for the replica, version the latest was started on)."""
-        ...
-
-    async def restart(self, replica_id: str, reason: str) -> None:
-        """Stop the replica's process; the supervisor starts it on `deployed.current`."""
-        ...
-
-
-class _StepFailed(Exception):
-    """A replica could not be converged; already recorded in the progress."""
-
-
-class _Untouched(Exception):
-    """A replica failed before anything about it changed (its pre-check canary)."""
-
-
-@dataclass
-class _Run:
-    progress: DeployProgress
-    options: DeployOptions
-    client: httpx.AsyncClient
-    failed: set[str] = field(default_factory=set)
-    """Replicas whose hot-load failed in this deploy: what they serve is unknown."""
-    poisoned: set[str] = field(default_factory=set)
-    """Replicas that computed NaN/inf: restart them, never trust a reload."""
-    touched: dict[str, int] = field(default_factory=dict)
-    """Replica -> its process generation when this deploy first paused it: a process
-    started later is a fresh one (the supervisor restarted it), not the one we touched."""
 
 
 class Rollout:
@@ -167,11 +138,11 @@ class Rollout:
         rolling it out in the background and return its progress record."""
         if self._active is not None and not self._active.done:
             raise Refused(409, f"deploy {self._active.id} of {self._active.checkpoint} is "
-                               "in progress; one deploy at a time", param=None)
+                               "in progress; one deploy at a time")
         if self._deployed is None:
             raise Refused(409, "this router does not know which model its replicas serve, "
                                "so it cannot check a checkpoint against it: start "
-                               "`dpserve router` with --base-model DIR", param=None)
+                               "`dpserve router` with --base-model DIR")
         n = len(self._pool)
         if n > 1 and options.batch >= n:
             raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
@@ -179,14 +150,13 @@ class Rollout:
         if self._snapshots is None:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "
-                               "--snapshot-dir DIR on storage every engine can read",
-                          param=None)
+                               "--snapshot-dir DIR on storage every engine can read")
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         if self._lock is not None:
             try:
                 await asyncio.to_thread(self._lock.acquire, deploy_id)
             except LockHeld as exc:
-                raise Refused(409, str(exc), param=None) from None
+                raise Refused(409, str(exc)) from None
         progress = DeployProgress(id=deploy_id, checkpoint=checkpoint, options=asdict(options))
         self._active = progress
         self._history[progress.id] = progress
@@ -202,7 +172,7 @@ class Rollout:
             target = await asyncio.to_thread(self._validate, Path(checkpoint))
             if self._lock_lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
-                                   f"({self._lock_lost}); nothing was changed", param=None)
+                                   f"({self._lock_lost}); nothing was changed")
         except Exception as exc:
             refused = isinstance(exc, Refused)
             progress.finish(DeployState.REFUSED if refused else DeployState.FAILED,
@@ -217,7 +187,7 @@ class Rollout:
         progress.replicas = [ReplicaProgress(r.id, from_version=r.weight_version)
                              for r in self._pool]
         progress.state = DeployState.ROLLING
-        self._task = asyncio.create_task(self._run(progress, target, options, renewing),
+        self._task = asyncio.create_task(self._deploy(progress, target, options, renewing),
                                          name=f"dpserve-deploy-{progress.id}")
         return progress
 
@@ -242,21 +212,20 @@ class Rollout:
         if self._served is None:
             if not base.is_dir():
                 raise Refused(409, f"the served model {self._deployed.base.path} is not a local "
-                                   "directory, so a checkpoint cannot be checked against it",
-                              param=None)
+                                   "directory, so a checkpoint cannot be checked against it")
             self._served = fingerprint(base)
         root = self._checkpoint_root or base.parent
         try:
             snapshot, meta = self._snapshots.take(ckpt_dir, within=root)
         except OutsideRoot as exc:
-            raise Refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
+            raise refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
                           ) from None
         except (CheckpointError, OSError) as exc:
-            raise Refused(422, str(exc)) from None
+            raise refused(422, str(exc)) from None
         meta = validate_checkpoint(snapshot, self._served, meta)
         return checkpoint_weights(snapshot, meta)
 
-    async def _run(self, progress: DeployProgress, target: Weights,
+    async def _deploy(self, progress: DeployProgress, target: Weights,
                    options: DeployOptions, renewing: asyncio.Task[None] | None) -> None:
         assert self._deployed is not None
         previous = self._deployed.current
@@ -265,8 +234,11 @@ class Rollout:
                        f"{len(self._pool)} replica(s), {options.batch} at a time")
         try:
             async with self._client_factory() as client:
-                run = _Run(progress, options, client)
-                error = await self._forward(run, target)
+                convergence = Convergence(
+                    self._pool, progress, options, client, restarter=self._restarter,
+                    metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
+                    hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost)
+                error = await convergence.forward(target)
                 if error is None:
                     if self.deployed_link is not None:
                         await self._point_link(progress, target)
@@ -277,7 +249,7 @@ class Rollout:
                 progress.error = error
                 progress.state = DeployState.ROLLING_BACK
                 progress.event(f"rolling back to {previous.version}", level=logging.WARNING)
-                ok = await self._rollback(run, previous)
+                ok = await convergence.rollback(previous)
                 self._finish(progress, DeployState.ROLLED_BACK if ok else DeployState.FAILED)
         except asyncio.CancelledError:
             self._finish(progress, DeployState.FAILED, "cancelled: the router is shutting down")
@@ -350,179 +322,6 @@ class Rollout:
             self._metrics.deploy_duration.observe(progress.finished_at - progress.started_at
                                                   if progress.finished_at else 0.0)
 
-    async def _forward(self, run: _Run, target: Weights) -> str | None:
-        """Converge batch after batch; the first error message, or None."""
-        replicas = list(self._pool)
-        for i in range(0, len(replicas), run.options.batch):
-            if self._lock_lost is not None:
-                return f"the deploy lock was lost ({self._lock_lost}); stopped"
-            group = replicas[i:i + run.options.batch]
-            ids = {r.id for r in group}
-            results = await asyncio.gather(
-                *(self._converge(run, r, target, ids, rollback=False) for r in group),
-                return_exceptions=True)
-            errors = [str(e) or repr(e) for e in results if isinstance(e, BaseException)]
-            if errors:
-                return errors[0]
-        return None
-
-    async def _rollback(self, run: _Run, previous: Weights) -> bool:
-        """Converge every replica not known to serve `previous`; True if all are (or are
-        being restarted on it)."""
-        ok = True
-        for replica in list(self._pool):
-            if (replica.weight_version == previous.version and replica.id not in run.failed
-                    and replica.id not in run.poisoned):
-                continue
-            try:
-                await self._converge(run, replica, previous, {replica.id}, rollback=True)
-            except _StepFailed:
-                ok = False
-        return ok
-
-    async def _converge(self, run: _Run, replica: Replica, weights: Weights,
-                        batch: set[str], *, rollback: bool) -> None:
-        """Make `replica` serve `weights`, or raise _StepFailed (recorded)."""
-        rp = run.progress.replica(replica.id)
-        if replica.id in run.poisoned:
-            await self._recover(run, replica, weights, "it computed NaN or infinity",
-                                since=run.touched.get(replica.id))
-            return
-        if replica.id not in run.failed:  # a failed one's weights are unknown: reload
-            if replica.weight_version == weights.version:
-                if not rollback:
-                    rp.phase, rp.version, rp.note = Phase.SKIPPED, weights.version, "serving it"
-                return
-            if replica.state in (ReplicaState.DOWN, ReplicaState.STARTING):
-                if self._restarter is not None:
-                    await self._recover(run, replica, weights, f"it is {replica.state.value}")
-                    return
-                await self._wait_ready(run, replica)
-                if replica.weight_version == weights.version:
-                    rp.phase, rp.version, rp.note = Phase.SKIPPED, weights.version, "serving it"
-                    return
-        try:
-            await self._hot_load(run, replica, weights, batch)
-        except Exception as exc:
-            if not isinstance(exc, _Untouched):
-                run.failed.add(replica.id)
-            if isinstance(exc, EngineAdminError) and exc.non_finite:
-                run.poisoned.add(replica.id)
-            rp.phase, rp.error = Phase.FAILED, f"{exc}"
-            run.progress.event(f"{replica.id}: {exc}", level=logging.WARNING)
-            self._count_reload(replica, "failed")
-            if rollback:
-                await self._recover(run, replica, weights, f"{exc}",
-                                    since=run.touched.get(replica.id))
-                return
-            raise _StepFailed(f"{replica.id}: {exc}") from None
-        run.failed.discard(replica.id)
-        rp.phase = Phase.ROLLED_BACK if rollback else Phase.DONE
-        self._count_reload(replica, "rolled_back" if rollback else "succeeded", rp.seconds)
-        run.progress.event(f"{replica.id}: serving {weights.version} after {rp.seconds:.2f} s")
-
-    def _count_reload(self, replica: Replica, outcome: str, seconds: float | None = None
-                      ) -> None:
-        if self._metrics is not None:
-            self._metrics.replica_reloads.labels(replica.id, outcome).inc()
-            if seconds is not None:
-                self._metrics.replica_reload_duration.observe(seconds)
-
-    async def _hot_load(self, run: _Run, replica: Replica, weights: Weights,
-                        batch: set[str]) -> None:
-        """Drain (if another replica can take the traffic), pause, reload, reset the
-        prefix cache, resume, canary, name the version, re-admit. Raises on any error,
-        leaving the replica out of rotation (or, alone, in it) for the rollback."""
-        self._hot_loading.add(replica.id)
-        try:
-            await self._hot_load_steps(run, replica, weights, batch)
-        finally:
-            self._hot_loading.discard(replica.id)
-
-    async def _hot_load_steps(self, run: _Run, replica: Replica, weights: Weights,
-                              batch: set[str]) -> None:
-        rp = run.progress.replica(replica.id)
-        reason = f"deploy {run.progress.id}"
-        admin_drained = (replica.state is ReplicaState.DRAINING
-                         and replica.id not in run.failed)
-        if self._restarter is not None:
-            run.touched.setdefault(replica.id, self._restarter.launched(replica.id)[0])
-        admin = EngineAdmin(run.client, replica.url, reload_timeout_s=self._reload_timeout_s)
-        model, steps = _model_name(replica), rp.steps
-        if replica.id not in run.failed:
-            # The canary on the old weights first, while the replica still serves: one that
-            # cannot pass fails here, before anything changes, and the engine's lazy set-up
-            # (its first logprobs request takes seconds on vLLM 0.32 CPU) is paid in rotation.
-            try:
-                await _timed(steps, "precheck", admin.canary(model, run.options.canary_prompt))
-            except EngineAdminError as exc:
-                raise _Untouched(f"before reloading, on the old weights: {exc}") from None
-        started = time.monotonic()
-        if any(r.id not in batch and r is not replica for r in self._pool.ready()):
-            if replica.state is ReplicaState.READY:
-                rp.phase = Phase.DRAINING
-                self._pool.set_state(replica, ReplicaState.DRAINING, reason)
-                await self._wait_idle(replica, run.options.drain_wait_s)
-            if replica.state is ReplicaState.DRAINING:
-                self._pool.set_state(replica, ReplicaState.RELOADING, reason)
-        # else it stays in rotation: requests queue in the paused engine instead of a 503
-        rp.phase = Phase.RELOADING
-        steps["drain"] = round(time.monotonic() - started, 4)
-        await _timed(steps, "pause", admin.pause())
-        await _timed(steps, "reload", admin.reload_weights(weights.path))
-        await _timed(steps, "reset_prefix_cache", admin.reset_prefix_cache())
-        await _timed(steps, "resume", admin.resume())
-        rp.phase = Phase.CANARY
-        await _timed(steps, "canary", admin.canary(model, run.options.canary_prompt))
-        await _timed(steps, "update_weight_version", admin.set_weight_version(weights.version))
-        replica.weight_version = weights.version
-        if replica.state is not ReplicaState.READY:
-            self._pool.set_state(replica, ReplicaState.DRAINING if admin_drained
-                                 else ReplicaState.READY, f"{reason}: serving {weights.version}")
-        rp.version, rp.seconds = weights.version, round(time.monotonic() - started, 3)
-
-    async def _recover(self, run: _Run, replica: Replica, weights: Weights, why: str, *,
-                       since: int | None = None) -> None:
-        """Bring back a replica that cannot (or must not) be reloaded by restarting it on
-        `weights`, unless a process started after generation `since` (any, if None) is
-        already on them. Without a supervisor: hold it out of rotation, raise _StepFailed."""
-        rp = run.progress.replica(replica.id)
-        run.poisoned.discard(replica.id)
-        if self._restarter is None:
-            replica.weight_version = None
-            self._pool.set_state(replica, ReplicaState.DRAINING, "deploy failed")
-            replica.last_error = (f"deploy {run.progress.id} could not restore it ({why}); "
-                                  "restart this engine, then undrain it")
-            rp.phase, rp.error = Phase.FAILED, replica.last_error
-            raise _StepFailed(f"{replica.id}: {replica.last_error}")
-        count, version = self._restarter.launched(replica.id)
-        if replica.state not in (ReplicaState.DOWN, ReplicaState.STARTING):
-            self._pool.set_state(replica, ReplicaState.DOWN, f"deploy: {why}")
-        if version == weights.version and (since is None or count > since):
-            rp.note = f"{why}; the supervisor is starting it on {weights.version}"
-        else:
-            rp.note = f"{why}; restarting it on {weights.version}"
-            await self._restarter.restart(replica.id, rp.note)
-        rp.phase = Phase.RESTARTING
-        run.progress.event(f"{replica.id}: {rp.note}")
-
-    async def _wait_idle(self, replica: Replica, within_s: float) -> None:
-        deadline = time.monotonic() + within_s
-        while replica.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)  # in-flight counts live in the pool; nothing to await
-
-    async def _wait_ready(self, run: _Run, replica: Replica) -> None:
-        rp = run.progress.replica(replica.id)
-        rp.note = f"waiting for it to be ready (it is {replica.state.value})"
-        deadline = time.monotonic() + run.options.ready_timeout_s
-        while replica.state is not ReplicaState.READY:
-            if time.monotonic() > deadline:
-                rp.phase = Phase.FAILED
-                rp.error = f"not ready within {run.options.ready_timeout_s:g} s"
-                raise _StepFailed(f"{replica.id}: {rp.error}")
-            await asyncio.sleep(_POLL_S * 4)
-        rp.note = None
-
 
 def point_link(link: Path, target: Path) -> None:
     """Make `link` a symlink to `target`, atomically: a reader sees the old target or the
@@ -534,15 +333,3 @@ def point_link(link: Path, target: Path) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-
-
-async def _timed(steps: dict[str, float], name: str, step: Awaitable[object]) -> None:
-    t0 = time.monotonic()
-    await step
-    steps[name] = round(time.monotonic() - t0, 4)
-
-
-def _model_name(replica: Replica) -> str:
-    if not replica.models:
-        raise EngineAdminError("canary", "the replica has not reported a model name")
-    return sorted(replica.models)[0]

@@ -73,13 +73,17 @@ _FLOAT_BITS: dict[str, tuple[type[np.unsignedinteger[Any]], int]] = {
 class Refused(Exception):
     """A checkpoint the rollout will not load; `status` is the HTTP status to answer."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = "checkpoint"
-                 ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         """The request field at fault (OpenAI's `param`); None for a conflict with state."""
+
+
+def refused(status: int, message: str) -> Refused:
+    """A refusal of the checkpoint itself: its `param` is the request's `checkpoint`."""
+    return Refused(status, message, param="checkpoint")
 
 
 @dataclass(frozen=True)
@@ -108,18 +112,18 @@ def fingerprint(model_dir: Path) -> ModelFingerprint:
     try:
         config = json.loads(read_capped(model_dir / CONFIG_FILE).decode("utf-8"))
     except (OSError, ValueError, RecursionError, CheckpointError) as exc:
-        raise Refused(422, f"{model_dir}: cannot read {CONFIG_FILE}: {exc}") from None
+        raise refused(422, f"{model_dir}: cannot read {CONFIG_FILE}: {exc}") from None
     if not isinstance(config, dict):
-        raise Refused(422, f"{model_dir}/{CONFIG_FILE}: must hold a JSON object")
+        raise refused(422, f"{model_dir}/{CONFIG_FILE}: must hold a JSON object")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise Refused(422, f"{model_dir}: no *.safetensors files (only safetensors "
+        raise refused(422, f"{model_dir}: no *.safetensors files (only safetensors "
                            "weights can be hot-loaded)")
     tensors: dict[str, TensorInfo] = {}
     for path in files:
         for name, info in read_safetensors_header(path).items():
             if name in tensors:
-                raise Refused(422, f"{model_dir}: tensor {name} is in both "
+                raise refused(422, f"{model_dir}: tensor {name} is in both "
                                    f"{tensors[name].file} and {path.name}")
             tensors[name] = info
     tokenizer = {p.name: sha256_file(p) for pattern in TOKENIZER_GLOBS
@@ -138,20 +142,20 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             prefix = f.read(8)
             size = f.seek(0, 2)
             if len(prefix) < 8:
-                raise Refused(422, f"{path}: not a safetensors file (too short)")
+                raise refused(422, f"{path}: not a safetensors file (too short)")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise Refused(422, f"{path}: not a safetensors file (header length {length})")
+                raise refused(422, f"{path}: not a safetensors file (header length {length})")
             f.seek(8)
             header = json.loads(f.read(length))
     except CheckpointError as exc:
-        raise Refused(422, str(exc)) from None
+        raise refused(422, str(exc)) from None
     except OSError as exc:
-        raise Refused(422, f"{path}: cannot read: {exc.strerror}") from None
+        raise refused(422, f"{path}: cannot read: {exc.strerror}") from None
     except (ValueError, RecursionError):
-        raise Refused(422, f"{path}: safetensors header is not valid JSON") from None
+        raise refused(422, f"{path}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
-        raise Refused(422, f"{path}: safetensors header is not a JSON object")
+        raise refused(422, f"{path}: safetensors header is not a JSON object")
     tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -162,7 +166,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                 file=path.name, offsets=(int(entry["data_offsets"][0]),
                                          int(entry["data_offsets"][1])))
         except (KeyError, TypeError, ValueError, IndexError):
-            raise Refused(422, f"{path}: malformed header entry for tensor {name}") from None
+            raise refused(422, f"{path}: malformed header entry for tensor {name}") from None
     _check_layout(path, tensors, data_bytes=size - 8 - length)
     return tensors
 
@@ -173,18 +177,18 @@ def _check_layout(path: Path, tensors: dict[str, TensorInfo], *, data_bytes: int
         begin, end = info.offsets
         width = DTYPE_BYTES.get(info.dtype)
         if width is None:
-            raise Refused(422, f"{path}: tensor {name} has an unknown dtype {info.dtype!r}")
+            raise refused(422, f"{path}: tensor {name} has an unknown dtype {info.dtype!r}")
         if any(d < 0 for d in info.shape):
-            raise Refused(422, f"{path}: tensor {name} has a negative dimension")
+            raise refused(422, f"{path}: tensor {name} has a negative dimension")
         if not 0 <= begin <= end <= data_bytes:
-            raise Refused(422, f"{path}: tensor {name}'s data offsets [{begin}, {end}] are "
+            raise refused(422, f"{path}: tensor {name}'s data offsets [{begin}, {end}] are "
                                f"reversed or outside the file's {data_bytes} data bytes")
         if end - begin != math.prod(info.shape) * width:
-            raise Refused(422, f"{path}: tensor {name} holds {end - begin} bytes, but its "
+            raise refused(422, f"{path}: tensor {name} holds {end - begin} bytes, but its "
                                f"shape {list(info.shape)} of {info.dtype} needs "
                                f"{math.prod(info.shape) * width}")
         if begin < end_of_last:
-            raise Refused(422, f"{path}: tensors {last} and {name} overlap")
+            raise refused(422, f"{path}: tensors {last} and {name} overlap")
         end_of_last, last = end, name
 
 
@@ -241,14 +245,14 @@ def check_finite(model_dir: Path, tensors: dict[str, TensorInfo]) -> None:
             start, end = 8 + length + info.offsets[0], 8 + length + info.offsets[1]
             width = np.dtype(view).itemsize
             if (end - start) % width:
-                raise Refused(422, f"{path}: tensor {name} has a size that is not a "
+                raise refused(422, f"{path}: tensor {name} has a size that is not a "
                                    f"multiple of its {info.dtype} element")
             f.seek(start)
             step = _CHUNK_BYTES - _CHUNK_BYTES % width
             for offset in range(start, end, step):
                 chunk = np.frombuffer(f.read(min(step, end - offset)), dtype=view)
                 if np.any((chunk & view(mask)) == view(mask)):
-                    raise Refused(422, f"tensor {name} holds NaN or infinite values "
+                    raise refused(422, f"tensor {name} holds NaN or infinite values "
                                        "(did the fine-tuning diverge?)")
 
 
@@ -260,16 +264,16 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
     ckpt_dir = Path(ckpt_dir)
     if meta is None:
         if not ckpt_dir.is_dir():
-            raise Refused(422, f"{ckpt_dir}: no such directory on the router's machine")
+            raise refused(422, f"{ckpt_dir}: no such directory on the router's machine")
         try:
             meta = verify_checkpoint(ckpt_dir)
         except CheckpointError as exc:
-            raise Refused(422, str(exc)) from None
+            raise refused(422, str(exc)) from None
     candidate = fingerprint(ckpt_dir)
     found = differences(served, candidate)
     if found:
         more = f" (and {len(found) - MAX_REPORTED} more)" if len(found) > MAX_REPORTED else ""
-        raise Refused(409, f"{ckpt_dir} does not match the served model: "
+        raise refused(409, f"{ckpt_dir} does not match the served model: "
                            + "; ".join(found[:MAX_REPORTED]) + more)
     check_finite(ckpt_dir, candidate.tensors)
     return meta

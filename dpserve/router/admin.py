@@ -14,7 +14,6 @@ checked by `dpserve.router.auth.Authenticate` (admin key, or loopback only).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -67,10 +66,8 @@ def admin_routes(pool: ReplicaPool, health: HealthChecker) -> list[Route]:
         if replica.state is ReplicaState.RELOADING:
             return error_response(409, f"replica {replica.id} is being reloaded")
         pool.set_state(replica, ReplicaState.DRAINING, "drained by admin")
-        deadline = time.monotonic() + wait_s
-        while replica.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # in-flight counts live in the pool; nothing to await
-        return JSONResponse({**describe(replica), "drained": replica.in_flight == 0})
+        drained = await pool.wait_idle(replica, wait_s)
+        return JSONResponse({**describe(replica), "drained": drained})
 
     async def undrain(request: Request) -> Response:
         replica = find(request)

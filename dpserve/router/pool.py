@@ -15,6 +15,7 @@ nothing else changes it, so a count can never leak on an error path.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -138,6 +139,15 @@ class ReplicaPool:
         if replica.state in (ReplicaState.READY, ReplicaState.STARTING):
             self.set_state(replica, ReplicaState.DOWN, reason)
         replica.health_successes = 0
+
+    async def wait_idle(self, replica: Replica, within_s: float, *,
+                        poll_s: float = 0.05) -> bool:
+        """Wait up to `within_s` for `replica` to have nothing in flight; whether it has.
+        (Counts change in the data plane's slots, which signal nothing: poll.)"""
+        deadline = time.monotonic() + within_s
+        while replica.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return replica.in_flight == 0
 
     def record_engine_load(self, replica: Replica, load: EngineLoad, now: float) -> None:
         """Store a scrape together with the router's in-flight count at the same instant."""
