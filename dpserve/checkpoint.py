@@ -27,21 +27,20 @@ cannot be written as one (the message names the path and the problem);
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from dpserve.fsutil import children, is_real_dir, publish, remove_dir, write_durably
 
 META_FILE = "dpserve.json"
 FORMAT_VERSION = 1
@@ -213,9 +212,13 @@ def write_checkpoint(
             loss=loss, created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             world_size=world_size, extra=extra,
         )
-        _write_durably(tmp / META_FILE, json.dumps(meta.to_json(), indent=2) + "\n")
+        write_durably(tmp / META_FILE, json.dumps(meta.to_json(), indent=2) + "\n")
 
-    _publish(output_dir, final, fill, replace=False)
+    try:
+        publish(output_dir, final, fill, replace=False)
+    except FileExistsError:
+        raise CheckpointError(f"{final} already exists; checkpoints are never overwritten"
+                              ) from None
     return final
 
 
@@ -237,9 +240,9 @@ def write_train_state(output_dir: Path, step: int, write_files: Callable[[Path],
                 raise CheckpointError(f"{tmp}: the writer must not create {STATE_MARKER}")
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-        _write_durably(tmp / STATE_MARKER, f"{step}\n")
+        write_durably(tmp / STATE_MARKER, f"{step}\n")
 
-    _publish(state_root, final, fill, replace=True)
+    publish(state_root, final, fill, replace=True)
     return final
 
 
@@ -347,42 +350,17 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> list[Path]:
                 doomed.append(path)
     deleted = []
     for path in doomed:
-        _remove_dir(path)
+        remove_dir(path)
         deleted.append(path)
     for root in (output_dir, state_root):
-        for path in _children(root):
-            if _TEMP_DIR.match(path.name) and _is_real_dir(path):
+        for path in children(root):
+            if _TEMP_DIR.match(path.name) and is_real_dir(path):
                 shutil.rmtree(path)
                 deleted.append(path)
     return deleted
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _publish(parent: Path, final: Path, fill: Callable[[Path], None], *, replace: bool) -> None:
-    """Fill a temporary directory in `parent`, make it durable and rename it to `final`."""
-    _make_dirs(parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-    aside = None
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; a vLLM under another user must read it
-        fill(tmp)
-        for directory in [*reversed(_tree(tmp)[1]), tmp]:
-            _fsync(directory)
-        if os.path.lexists(final):
-            if not replace:  # appeared while we wrote: rename would replace an empty dir
-                raise CheckpointError(f"{final} already exists; checkpoints are never "
-                                      "overwritten")
-            aside = parent / f".{final.name}.tmp-old-{secrets.token_hex(4)}"
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        _fsync(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _seal_tree(root: Path) -> list[Path]:
@@ -411,52 +389,8 @@ def _tree(root: Path) -> tuple[list[Path], list[Path]]:
     return files, dirs
 
 
-def _write_durably(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    path.chmod(0o644)  # O_CREAT's mode is filtered by the umask
-
-
-def _make_dirs(path: Path) -> None:
-    """mkdir -p, with the directories it creates world-readable and durable."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        try:
-            directory.mkdir()
-        except FileExistsError:
-            continue
-        directory.chmod(0o755)
-        _fsync(directory.parent)
-
-
-def _remove_dir(path: Path) -> None:
-    """Rename to a temporary name (atomic: it stops counting), then delete."""
-    aside = path.with_name(f".{path.name}.tmp-del-{secrets.token_hex(4)}")
-    os.rename(path, aside)
-    _fsync(path.parent)
-    shutil.rmtree(aside)
-
-
 def _step_dirs(root: Path) -> list[Path]:
-    return [p for p in _children(root) if _STEP_DIR.match(p.name) and _is_real_dir(p)]
-
-
-def _children(root: Path) -> list[Path]:
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        return sorted(root.iterdir())
-    return []
-
-
-def _is_real_dir(path: Path) -> bool:
-    with contextlib.suppress(OSError):
-        return stat.S_ISDIR(path.lstat().st_mode)
-    return False
+    return [p for p in children(root) if _STEP_DIR.match(p.name) and is_real_dir(p)]
 
 
 def _is_plain_relative(rel: str) -> bool:
@@ -464,11 +398,3 @@ def _is_plain_relative(rel: str) -> bool:
     return (bool(parts) and not rel.startswith("/") and "\\" not in rel
             and PurePosixPath(*parts).as_posix() == rel
             and all(part not in (".", "..") for part in parts))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,48 +26,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from dpserve.settings import ENV_PREFIX, ConfigError, load_yaml, require, resolve
+from dpserve.settings import (
+    ENV_PREFIX,
+    ConfigError,
+    DiscoveryError,
+    DnsTarget,
+    load_yaml,
+    parse_target,
+    require,
+    resolve,
+)
 
 __all__ = ["ENV_PREFIX", "POLICIES", "ConfigError", "DiscoveryError", "DnsTarget",
            "RouterConfig", "ServeConfig", "build_router_config", "build_serve_config",
            "load_yaml", "parse_target", "resolve"]
-
-# -- discovery targets (`--discover`), parsed here: the lowest module imports no router
-SCHEMES = ("dns",)
-
-
-class DiscoveryError(ValueError):
-    """A discovery target that cannot be parsed; the message says why."""
-
-
-@dataclass(frozen=True)
-class DnsTarget:
-    """`dns://NAME:PORT`: replicas are `http://ADDRESS:PORT` for each A record of NAME."""
-
-    name: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"dns://{self.name}:{self.port}"
-
-
-def parse_target(text: str) -> DnsTarget:
-    """Parse `dns://NAME:PORT` (the only scheme so far); DiscoveryError if malformed."""
-    parts = urlsplit(text)
-    if parts.scheme not in SCHEMES:
-        raise DiscoveryError(f"expected dns://NAME:PORT, got {text!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None or not 0 < port < 65536:
-        raise DiscoveryError(f"expected dns://NAME:PORT with a port in 1..65535, got {text!r}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise DiscoveryError(f"expected dns://NAME:PORT and nothing else, got {text!r}")
-    return DnsTarget(parts.hostname, port)
-
 
 POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
             "engine-load")

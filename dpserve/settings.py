@@ -3,7 +3,9 @@
 The machinery behind `dpserve.config` and the other typed configs (fine-tune,
 simulated fleet): read a YAML mapping, resolve a frozen dataclass field by field
 from the four sources, coerce each raw value to the field's declared type, and
-fail with a :class:`ConfigError` that names the setting.
+fail with a :class:`ConfigError` that names the setting. Values with a syntax of
+their own are parsed here too (`dns://NAME:PORT`, the discovery target), so that
+the settings never depend on the code that uses them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import os
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -155,3 +159,39 @@ def _type_name(hint: Any) -> str:
 def require(ok: bool, label: str, message: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{label}: {message}, got {value!r}")
+
+
+# -- values with a syntax of their own -----------------------------------------------
+
+SCHEMES = ("dns",)
+
+
+class DiscoveryError(ValueError):
+    """A discovery target that cannot be parsed; the message says why."""
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """`dns://NAME:PORT`: replicas are `http://ADDRESS:PORT` for each A record of NAME."""
+
+    name: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"dns://{self.name}:{self.port}"
+
+
+def parse_target(text: str) -> DnsTarget:
+    """Parse `dns://NAME:PORT` (the only scheme so far); DiscoveryError if malformed."""
+    parts = urlsplit(text)
+    if parts.scheme not in SCHEMES:
+        raise DiscoveryError(f"expected dns://NAME:PORT, got {text!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or not 0 < port < 65536:
+        raise DiscoveryError(f"expected dns://NAME:PORT with a port in 1..65535, got {text!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise DiscoveryError(f"expected dns://NAME:PORT and nothing else, got {text!r}")
+    return DnsTarget(parts.hostname, port)

@@ -47,6 +47,7 @@ from dpserve.checkpoint import (
     read_meta_bytes,
     step_name,
 )
+from dpserve.fsutil import children, fsync_path
 
 FICLONE = 0x40049409
 """ioctl(2) request that makes a file share another's blocks, copy-on-write (Linux)."""
@@ -105,7 +106,7 @@ class SnapshotStore:
         keep = {os.path.realpath(p) for p in in_use}
         snapshots, stale = [], []
         now = time.time()
-        for entry in _children(self.root):
+        for entry in children(self.root):
             info = entry.lstat()
             if not stat.S_ISDIR(info.st_mode):
                 continue
@@ -135,7 +136,7 @@ class SnapshotStore:
             (tmp / META_FILE).write_bytes(raw)
             _seal(tmp)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_path(self.root)
         except BaseException:
             _remove_tree(tmp)
             raise
@@ -253,7 +254,7 @@ def _seal(root: Path) -> None:
         else:
             path.chmod(0o444)
     for directory in reversed(dirs):
-        _fsync_dir(directory)
+        fsync_path(directory)
         directory.chmod(0o555)
 
 
@@ -265,17 +266,3 @@ def _remove_tree(path: Path) -> None:
             with contextlib.suppress(OSError):
                 directory.chmod(0o755)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _children(root: Path) -> list[Path]:
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        return sorted(root.iterdir())
-    return []
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -11,17 +11,18 @@ would produce) or a malformed response never leave a connection reusable.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dpserve.router.http1 import Connection
 from dpserve.router.upstream import (
     Disconnected,
     Origin,
     UpstreamPool,
     UpstreamResponse,
-    _Connection,
 )
 
 ORIGIN = Origin.parse("http://replica:8000")
@@ -68,7 +69,7 @@ def feed(raw: bytes, cuts: list[int], *, eof: bool, release_early: bool = False)
 
     async def run() -> Outcome:
         pool = UpstreamPool()
-        conn = _Connection(pool, ORIGIN)
+        conn = Connection(functools.partial(pool._put, ORIGIN))
         transport = FakeTransport()
         conn.connection_made(transport)  # type: ignore[arg-type]
         head = conn.send(b"POST /v1/completions HTTP/1.1\r\n\r\n", b"")
