@@ -22,6 +22,7 @@ demo: model
 
 test: model
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest $(PYTEST_ARGS)
 
 test-unit: model
@@ -29,6 +30,7 @@ test-unit: model
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python benchmarks/router_overhead.py

@@ -260,7 +260,7 @@ async def run_serve(config: ServeConfig) -> int:
 
 
 async def _serve_until_stopped(
-    server: _Server, signals: _Signals, serving: asyncio.Task[None]
+    server: uvicorn.Server, signals: _Signals, serving: asyncio.Task[None]
 ) -> int:
     stopped = asyncio.create_task(signals.stop.wait())
     done, _ = await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -43,7 +43,7 @@ def rate_at(index: int, total: int, request_rate: float, ramp_up: RampUp | None)
     progress = index / max(total - 1, 1)
     if ramp_up.strategy == "linear":
         return ramp_up.start_rps + (ramp_up.end_rps - ramp_up.start_rps) * progress
-    return ramp_up.start_rps * (ramp_up.end_rps / ramp_up.start_rps) ** progress
+    return float(ramp_up.start_rps * (ramp_up.end_rps / ramp_up.start_rps) ** progress)
 
 
 def arrival_offsets(

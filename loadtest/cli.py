@@ -20,13 +20,15 @@ from typing import Any, TypeVar
 
 from loadtest import harness, report
 from loadtest.arrivals import RampUp
+from loadtest.client import Endpoint
 from loadtest.config import DATASETS, RunConfig, parse_goodput, parse_key_values
 from loadtest.errors import ConfigError, LoadTestError
 from loadtest.harness import RunResult, SweepParameter
 
 T = TypeVar("T")
-_ENDPOINTS = {"completions": "completions", "/v1/completions": "completions",
-              "chat": "chat", "/v1/chat/completions": "chat"}
+_ENDPOINTS: dict[str, Endpoint] = {
+    "completions": "completions", "/v1/completions": "completions",
+    "chat": "chat", "/v1/chat/completions": "chat"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -74,7 +74,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
     from transformers import AutoTokenizer  # heavy; only when a tokenizer is needed
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return cast(Tokenizer, AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     except (OSError, ValueError) as exc:
         raise DatasetError(f"--tokenizer {path}: cannot load a tokenizer: {exc}") from None
 

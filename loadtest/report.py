@@ -51,7 +51,8 @@ def config_dict(result: RunResult) -> dict[str, Any]:
     config["model"] = result.model
     config["ignore_eos"] = result.config.sends_ignore_eos
     config["request_count"] = result.config.request_count
-    return _jsonable(config)
+    out: dict[str, Any] = _jsonable(config)
+    return out
 
 
 def metadata_dict(result: RunResult) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from tqdm import tqdm
@@ -138,7 +139,8 @@ async def _warm_up(session: aiohttp.ClientSession, plan: LoadPlan) -> None:
     await asyncio.gather(*(one(i) for i in range(plan.num_warmups)))
 
 
-def _progress(plan: LoadPlan, total: int | None) -> AbstractContextManager[tqdm | None]:
+def _progress(plan: LoadPlan, total: int | None
+              ) -> AbstractContextManager[tqdm[Any] | None]:
     if not plan.progress:
         return nullcontext()
     return tqdm(total=total, desc=plan.label or "requests", unit="req", file=sys.stderr,

@@ -112,7 +112,7 @@ class StopFlag:
 
 
 def micro_batches(
-    loader: DataLoader, sampler: DistributedSampler, start_epoch: int, skip: int
+    loader: DataLoader[Any], sampler: DistributedSampler[Any], start_epoch: int, skip: int
 ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """Endless (epoch, batch) stream; the first `skip` batches of `start_epoch` are
     skipped so that a resumed run sees exactly the data it would have seen."""
@@ -140,7 +140,7 @@ def loss_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, d: Dist, autocast: Any) -> float:
+def evaluate(model: torch.nn.Module, loader: DataLoader[Any], d: Dist, autocast: Any) -> float:
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)
     for batch in loader:
@@ -165,8 +165,9 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         tokenizer.eos_token_id)
     examples, stats = load_dataset(Path(cfg.data), tokenizer, max_seq_len=cfg.max_seq_len)
     dataset = ExampleDataset(examples)
-    sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank,
-                                 shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed,
+        drop_last=True)
     collate_fn = partial(collate, pad_id=pad_id)
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler,
                         collate_fn=collate_fn, drop_last=True)
@@ -198,7 +199,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     base_dtype = _config_dtype(cfg.model)
     # fp32 master weights; bf16 autocast on GPU for the matmuls.
     model = AutoModelForCausalLM.from_pretrained(model_source, dtype=torch.float32)
-    model.to(d.device)
+    torch.nn.Module.to(model, d.device)  # in place (transformers types its `to` too narrowly)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
@@ -257,7 +258,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         last_loss = float(step_loss) / max(n_loss_tokens, 1)
         step += 1
         run_steps += 1
-        lr = scheduler.get_last_lr()[0]
+        lr = float(scheduler.get_last_lr()[0])
         progress.update(step, last_loss, lr, tokens=n_tokens, samples=global_batch,
                         seconds=time.perf_counter() - t0, every=cfg.log_every)
 
@@ -307,11 +308,13 @@ def _save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int,
             if base_dtype != torch.float32:  # the served copy is lossy: keep the masters
                 torch.save(model.state_dict(), tmp / "master_weights.pt")
 
+        def write_model(tmp: Path) -> None:
+            save_weights(model, tmp, base_dtype)
+            copy_tokenizer_files(cfg.model, tmp, tokenizer)
+
         ckpt.write_train_state(output, step, write_state)
         path = ckpt.write_checkpoint(
-            output, step,
-            lambda tmp: (save_weights(model, tmp, base_dtype),
-                         copy_tokenizer_files(cfg.model, tmp, tokenizer)),
+            output, step, write_model,
             base_model=cfg.model, loss=loss, world_size=d.world_size,
             extra={"lr": scheduler.get_last_lr()[0], "epoch": epoch},
         )

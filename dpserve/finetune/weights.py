@@ -24,7 +24,7 @@ _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.t
 def save_weights(model: torch.nn.Module, out_dir: Path, dtype: torch.dtype) -> None:
     """Safetensors in `dtype` (fp32 master weights are cast), plus the model config."""
     state = {k: v.detach().to(dtype=dtype, device="cpu") for k, v in model.state_dict().items()}
-    config = model.config  # type: ignore[attr-defined]
+    config = model.config
     previous = config.dtype
     config.dtype = dtype  # the config must describe the stored tensors
     try:

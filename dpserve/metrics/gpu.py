@@ -106,7 +106,7 @@ class GpuCollector(Collector):
         # Registering must not call NVML: describe the families, without samples.
         return self._families()
 
-    def _families(self) -> list[Metric]:
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         def gauge(name: str, doc: str) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=LABELS)
 

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from dpserve.rollout.progress import DEPLOY_FIELDS
-from dpserve.rollout.rollout import DeployOptions, Rollout
+from dpserve.rollout.progress import DEPLOY_FIELDS, DeployOptions
+from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.validate import Refused
 from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response

@@ -69,14 +69,15 @@ class AdminClient:
     async def start_deploy(self, checkpoint: Path, options: dict[str, Any]) -> dict[str, Any]:
         """`checkpoint` must be absolute (the router reads it from its own filesystem)."""
         body = {"checkpoint": str(checkpoint), **options}
-        return await self._call("POST", "/admin/deploy", json=body, timeout=VALIDATE_TIMEOUT_S)
+        return _object(await self._call("POST", "/admin/deploy", json=body,
+                                        timeout=VALIDATE_TIMEOUT_S))
 
     async def deploy(self, deploy_id: str) -> dict[str, Any]:
-        return await self._call("GET", f"/admin/deploy/{deploy_id}")
+        return _object(await self._call("GET", f"/admin/deploy/{deploy_id}"))
 
     async def latest_deploy(self) -> dict[str, Any] | None:
         try:
-            return await self._call("GET", "/admin/deploy")
+            return _object(await self._call("GET", "/admin/deploy"))
         except AdminError as exc:
             if exc.status in (404, 503):
                 return None
@@ -101,6 +102,13 @@ class AdminClient:
             raise AdminError(f"HTTP {resp.status_code}: {message or resp.text[:300]}",
                              resp.status_code)
         return body
+
+
+def _object(body: Any) -> dict[str, Any]:
+    """A JSON object the router answered; AdminError for anything else."""
+    if not isinstance(body, dict):
+        raise AdminError(f"the router answered {type(body).__name__}, not a JSON object")
+    return body
 
 
 async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, Any],
@@ -230,6 +238,7 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
                 return await run_watch(client, watched, options, out,
                                        interval_s=ns.interval_s, max_deploys=ns.max_deploys,
                                        timeout_s=ns.timeout_s)
+            assert checkpoint is not None  # argparse: a checkpoint or --watch
             return await run_deploy(client, checkpoint, options, out)
 
     try:

@@ -175,7 +175,8 @@ def build_app(router: Router) -> DataPlaneFront:
         message = {404: f"no route {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(
             exc.status_code, exc.detail)
-        return error_response(exc.status_code, message, headers=exc.headers)
+        return error_response(exc.status_code, message,
+                              headers=dict(exc.headers) if exc.headers else None)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -186,10 +187,11 @@ def build_app(router: Router) -> DataPlaneFront:
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
-    access = {"api_keys": router.config.api_keys, "admin_key": router.config.admin_key,
-              "admin_port": router.config.admin_port}
-    app.add_middleware(Authenticate, **access)
-    auth = Authenticate(None, **access)
+    config = router.config
+    app.add_middleware(Authenticate, api_keys=config.api_keys, admin_key=config.admin_key,
+                       admin_port=config.admin_port)
+    auth = Authenticate(None, api_keys=config.api_keys, admin_key=config.admin_key,
+                        admin_port=config.admin_port)
     return DataPlaneFront(app, forwarded, auth)
 
 

@@ -126,7 +126,7 @@ def request_id(scope: Scope) -> str:
     """The client's `X-Request-Id` when it is sane, else a new one."""
     for name, value in scope["headers"]:
         if name == b"x-request-id":
-            text = value.decode("latin-1")
+            text: str = value.decode("latin-1")
             if 0 < len(text) <= 128 and text.isprintable():
                 return text
             break

@@ -62,7 +62,7 @@ CHAT_TEMPLATE = (
 
 # Head size = hidden / heads = 64: vLLM's CPU attention accepts only
 # 32, 64, 80, 96, 112, 128, ... (16 fails at the first request).
-MODEL_SHAPE: dict[str, int] = {
+MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -219,7 +219,6 @@ def _save_tokenizer(tokenizer: Any, out: Path) -> None:
 
 
 def _save_model(out: Path, *, vocab_size: int) -> None:
-    import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     # float32: vLLM's CPU backend runs it as is, and fp32 keeps logprobs
@@ -234,7 +233,7 @@ def _save_model(out: Path, *, vocab_size: int) -> None:
         dtype="float32",
     )
     with _seeded(0):
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).float()
     # Only token ids: vLLM would take any sampling field here as the
     # server's default and override what clients ask for.
     model.generation_config = GenerationConfig(
