@@ -8,7 +8,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dpserve import checkpoint as ckpt
+from tests.waiting import wait_for_sync
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,14 +37,6 @@ def save(out: Path, step: int, **kw: object) -> Path:
 
 def save_state(out: Path, step: int) -> Path:
     return ckpt.write_train_state(out, step, files(**{"trainer.pt": f"s{step}"}))
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def names(directory: Path) -> list[str]:
@@ -217,7 +209,7 @@ def test_a_save_killed_midway_never_looks_complete(tmp_path, stage):
             assert proc.poll() is None, proc.communicate()[1]
             return ready.exists()
 
-        wait_for(stalled, f"the writer to stall while {stage}")
+        wait_for_sync(stalled, f"the writer to stall while {stage}")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:

@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,17 +82,6 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve"), replicas=2)
     yield d
     d.stop()
-
-
-def poll(cond, within_s: float, what: str, interval_s: float = 0.2):
-    deadline = time.monotonic() + within_s
-    while True:
-        result = cond()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def replica_metric(port: int, name: str) -> float:

@@ -40,9 +40,10 @@ from dpserve.demo import serve_command, wait_ready
 from dpserve.replicas.launcher import free_port
 from dpserve.rollout.deployed import weights_for
 from tests.finetune_helpers import trained, write_train_data
-from tests.integration.conftest import MODEL_NAME, READY_DEADLINE_S, Deployment, offline_env, poll
+from tests.integration.conftest import MODEL_NAME, READY_DEADLINE_S, Deployment, offline_env
 from tests.procs import processes_in_group
 from tests.rollout.checkpoints import edit_json, other_vocabulary, perturbed, write_variant
+from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
 
@@ -257,7 +258,7 @@ def background_load(base_url: str, workers: int) -> Iterator[Load]:
     thread = threading.Thread(target=lambda: loop.run_until_complete(load.run(workers)))
     thread.start()
     try:
-        poll(lambda: load.ok >= 4 or load.failures, 60, "the load to get going")
+        wait_for_sync(lambda: load.ok >= 4 or load.failures, "the load to get going", within_s=60)
         yield load
     finally:
         loop.call_soon_threadsafe(load.stop.set)
@@ -320,7 +321,8 @@ def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fl
              "--router", f.d.base_url], capture_output=True, text=True, timeout=300,
             env=offline_env())
         served_during = load.ok - before
-        poll(lambda: load.ok >= before + served_during + 8, 60, "requests after the deploy")
+        wait_for_sync(lambda: load.ok >= before + served_during + 8, "requests after the deploy",
+                      within_s=60)
 
     version = weights_for(str(f.finetuned)).version
     assert cli.returncode == 0, cli.stdout + cli.stderr
@@ -354,9 +356,10 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     held = UnreadStream(base, {
         "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8, "n": 8,
         "logprobs": 10, "ignore_eos": True, "stream": True})
-    poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "the held stream to start on r1")
+    wait_for_sync(lambda: f.replicas()[1]["in_flight"] == 1, "the held stream to start on r1",
+                  within_s=30)
     admin.post("/admin/replicas/r0/undrain")
-    poll(f.all_ready, 30, "r0 back in rotation")
+    wait_for_sync(f.all_ready, "r0 back in rotation", within_s=30)
     r1_pid, _ = f.d.replicas()["r1"]
 
     try:
@@ -373,17 +376,20 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
                 return phases == ["done", "draining"]
 
             try:
-                poll(r1_draining, 120, "r0 reloaded and r1 draining")
+                wait_for_sync(r1_draining, "r0 reloaded and r1 draining", within_s=120)
             except AssertionError as exc:
                 raise AssertionError(f"{exc} (phases seen: {seen})") from None
-            poll(lambda: f.replicas()[1]["in_flight"] == 1, 30, "only the held stream left on r1")
+            wait_for_sync(lambda: f.replicas()[1]["in_flight"] == 1,
+                          "only the held stream left on r1", within_s=30)
             os.killpg(r1_pid, signal.SIGKILL)  # the engine dies mid-rollout
             status, headers, events = held.read_to_end(timeout_s=120)  # lets the router finish
-            record = poll(lambda: (rec := deploy_record(f, deploy_id))["done"] and rec, 120,
-                          "the rollout to end")
-            poll(lambda: processes_in_group(r1_pid) == [], 30, "r1's processes to be gone")
-            poll(lambda: f.all_ready() and f.d.replicas()["r1"][0] != r1_pid, 300,
-                 "r1 restarted and ready", interval_s=1.0)
+            record = wait_for_sync(
+                lambda: (rec := deploy_record(f, deploy_id))["done"] and rec,
+                "the rollout to end", within_s=120)
+            wait_for_sync(lambda: processes_in_group(r1_pid) == [], "r1's processes to be gone",
+                          within_s=30)
+            wait_for_sync(lambda: f.all_ready() and f.d.replicas()["r1"][0] != r1_pid,
+                          "r1 restarted and ready", within_s=300, every_s=1.0)
     finally:
         held.close()
         admin.close()

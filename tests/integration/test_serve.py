@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import MODEL_NAME, Deployment, poll, replica_metric
+from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
 from tests.procs import processes_in_group
+from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
 
@@ -130,14 +131,14 @@ def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
     # nothing runs any more, far fewer than the 900 tokens asked for were made. (A
     # scrape while it runs would race the tiny model: 900 tokens take ~3 s here, and a
     # replica's /metrics can take as long to answer while it streams.)
-    poll(lambda: total("vllm:num_requests_running") == 0, 30,
-         "the replica's running-request count to fall back to 0")
+    wait_for_sync(lambda: total("vllm:num_requests_running") == 0,
+                  "the replica's running-request count to fall back to 0", within_s=30)
     generated = total("vllm:generation_tokens_total") - generated_before
     assert 1 <= generated < 900, f"{generated:g} tokens generated after the client left"
     # The router counts the request as abandoned by its client (not as served).
-    poll(lambda: 'dpserve_client_disconnects_total{route="/v1/completions"}'
-         in httpx.get(deployment.base_url + "/metrics").text, 15,
-         "the router to count the client's disconnect")
+    wait_for_sync(lambda: 'dpserve_client_disconnects_total{route="/v1/completions"}'
+                  in httpx.get(deployment.base_url + "/metrics").text,
+                  "the router to count the client's disconnect", within_s=15)
 
 
 def test_router_metrics_describe_the_replicas(deployment):
@@ -228,11 +229,12 @@ def test_a_frozen_replica_is_taken_out_and_its_stream_times_out(deployment):
     streamer = threading.Thread(target=send_stream, daemon=True)
     try:
         streamer.start()
-        poll(lambda: replica_state(deployment, "r0") == "down", 30,
-             "the health checks to take r0 out")
+        wait_for_sync(lambda: replica_state(deployment, "r0") == "down",
+                      "the health checks to take r0 out", within_s=30)
         httpx.post(admin + "r1/undrain", timeout=10).raise_for_status()
         with BackgroundLoad(deployment.base_url, workers=2) as load:
-            poll(lambda: load.served_by("r1") >= 6, 120, "requests to keep flowing to r1")
+            wait_for_sync(lambda: load.served_by("r1") >= 6, "requests to keep flowing to r1",
+                          within_s=120)
         streamer.join(timeout=120)
     finally:
         os.killpg(pid, signal.SIGCONT)
@@ -240,27 +242,30 @@ def test_a_frozen_replica_is_taken_out_and_its_stream_times_out(deployment):
     assert load.failures() == []
     assert stream["status"] == 504, stream  # the first-byte timeout, never a hang
     assert "r0" in stream["body"]["error"]["message"]
-    poll(lambda: replica_state(deployment, "r0") == "ready", 60, "r0 to come back")
+    wait_for_sync(lambda: replica_state(deployment, "r0") == "ready", "r0 to come back",
+                  within_s=60)
 
 
 def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deployment):
     """Runs last in this module: it takes r0 away for the length of a vLLM restart."""
     old_pid, _ = deployment.replicas()["r0"]
     with BackgroundLoad(deployment.base_url) as load:
-        poll(lambda: load.served_by("r0") >= 3, 120, "load to reach r0")
+        wait_for_sync(lambda: load.served_by("r0") >= 3, "load to reach r0", within_s=120)
         os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
         after_kill = len(load.results)
-        poll(lambda: len(load.results) >= after_kill + 9, 120, "requests after the kill")
+        wait_for_sync(lambda: len(load.results) >= after_kill + 9, "requests after the kill",
+                      within_s=120)
     assert load.failures() == []  # requests on r0 when it died were retried on r1
     assert replica_state(deployment, "r0") in ("down", "starting")
     # SIGKILL is delivered at once, but tearing down a 3 GB process takes a moment.
-    poll(lambda: processes_in_group(old_pid) == [], 30, "r0's processes to be gone")
+    wait_for_sync(lambda: processes_in_group(old_pid) == [], "r0's processes to be gone",
+                  within_s=30)
 
     def r0_ready() -> bool:
         text = httpx.get(deployment.base_url + "/metrics").text
         return 'dpserve_replica_state{replica="r0",state="ready"} 1.0' in text
 
-    poll(r0_ready, 300, "r0 to be restarted and ready again", interval_s=1.0)
+    wait_for_sync(r0_ready, "r0 to be restarted and ready again", within_s=300, every_s=1.0)
     new_pid, _ = deployment.replicas()["r0"]
     assert new_pid != old_pid
     metrics = httpx.get(deployment.base_url + "/metrics").text

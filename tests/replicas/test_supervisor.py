@@ -19,6 +19,7 @@ from dpserve.replicas.launcher import ReplicaSpec, free_port
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor, restart_delay
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
+from tests.waiting import wait_for
 
 FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
 
@@ -41,15 +42,6 @@ def setup(tmp_path: Path, n: int, *extra: str, **cfg: object):
     settings = {"startup_timeout_s": 20, "restart_backoff_s": 0.2, "stop_timeout_s": 5, **cfg}
     config = ServeConfig(model="fake", **settings)  # type: ignore[arg-type]
     return Supervisor(specs, pool, config), pool
-
-
-async def wait_for(cond, within_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def test_restart_backoff_doubles_up_to_the_cap():
@@ -98,12 +90,12 @@ async def test_a_replica_that_dies_is_taken_out_at_once_and_restarted(tmp_path):
         loop = asyncio.get_running_loop()
         killed_at = loop.time()
         os.killpg(old_pid, signal.SIGKILL)
-        await wait_for(lambda: pool.get("r0").state is not ReplicaState.READY, 1.0,
-                       "r0 to leave rotation")
+        await wait_for(lambda: pool.get("r0").state is not ReplicaState.READY,
+                       "r0 to leave rotation", within_s=1.0)
         assert loop.time() - killed_at < 1.0
         assert [r.id for r in pool.ready()] == ["r1"]
         await wait_for(lambda: sup.pids["r0"] != old_pid and sup._replicas[0].ready.is_set(),
-                       15.0, "r0 to be restarted and healthy")
+                       "r0 to be restarted and healthy", within_s=15.0)
         assert restarted == ["r0"]
         assert processes_in_group(old_pid) == []
         assert pool.get("r0").state is ReplicaState.STARTING  # health loop re-admits it

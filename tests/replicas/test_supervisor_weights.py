@@ -14,7 +14,8 @@ from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, Weights
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
-from tests.replicas.test_supervisor import fake_specs, wait_for
+from tests.replicas.test_supervisor import fake_specs
+from tests.waiting import wait_for
 
 BASE = Weights("/models/base", "base:base")
 CHECKPOINT = Weights("/ckpts/step-000005", "step-000005@0123abcd", 5)
@@ -49,8 +50,10 @@ async def test_a_replica_that_dies_restarts_on_the_deployed_checkpoint(tmp_path)
         assert sup.launched("r0") == (1, BASE.version)
         deployed.current = CHECKPOINT  # a deploy happened
         os.killpg(first, signal.SIGKILL)
-        await wait_for(lambda: sup.pids.get("r0") not in (None, first), 20, "a new process")
-        await wait_for(lambda: pool.get("r0").state is not ReplicaState.DOWN, 20, "restart")
+        await wait_for(lambda: sup.pids.get("r0") not in (None, first), "a new process",
+                       within_s=20)
+        await wait_for(lambda: pool.get("r0").state is not ReplicaState.DOWN, "restart",
+                       within_s=20)
         args = cmdline(sup.pids["r0"])
         assert args[args.index("--model") + 1] == CHECKPOINT.path
         assert sup.launched("r0") == (2, CHECKPOINT.version)
@@ -69,7 +72,7 @@ async def test_a_requested_restart_skips_the_crash_backoff(tmp_path):
         seen: list[str] = []
         pool.on_state_change(lambda r, old, new: seen.append(new.value))
         await sup.restart("r0", "the rollout could not reload it")
-        await wait_for(lambda: sup.launched("r0")[0] == 2, 15, "a restart without backoff")
+        await wait_for(lambda: sup.launched("r0")[0] == 2, "a restart without backoff", within_s=15)
         assert sup.pids["r0"] != first
         # out of the health loop's reach while the old process stops, then starting
         assert seen[:3] == ["draining", "down", "starting"]

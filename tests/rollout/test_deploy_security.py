@@ -25,6 +25,7 @@ from dpserve.finetune.train import load_tensors_only
 from dpserve.rollout.lock import DeployLock
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import deploy, fleet
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)  # a hang is the failure these tests look for
 
@@ -221,11 +222,8 @@ async def test_the_lock_is_renewed_while_a_slow_checkpoint_is_validated(
     async with fleet(fake_replicas, tiny_model, 2, deploy_lock=str(lock.path),
                      deploy_lock_ttl_s=0.6) as f:
         deploying = asyncio.create_task(deploy(f, checkpoint))
+        await wait_for(lock.path.exists, "the deploy to take the lock")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while not lock.path.exists():
-            assert loop.time() < deadline, "the deploy never took the lock"
-            await asyncio.sleep(0.02)
         end = loop.time() + 1.2
         while loop.time() < end:  # twice the lock's time to live: still held throughout
             with pytest.raises(Exception, match="holds the deploy lock"):
@@ -242,17 +240,13 @@ async def test_a_deploy_that_loses_its_lock_stops_and_rolls_back(
     async with fleet(fake_replicas, tiny_model, 3, deploy_lock=str(lock.path),
                      deploy_lock_ttl_s=0.6, reload_gate=gate) as f:
         deploying = asyncio.create_task(deploy(f, checkpoint))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
         # r0's reload is held; meanwhile another router takes the lock over.
-        while "/collective_rpc" not in f.fakes[0].dev_calls:
-            assert loop.time() < deadline, "r0 was never reloaded"
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: "/collective_rpc" in f.fakes[0].dev_calls, "r0's reload",
+                       within_s=30)
         lock.path.write_text(json.dumps({"holder": "another-router", "deploy": "theirs",
                                          "expires_at": 4e9}))
-        while not any("lock lost" in e for e in f.rollout.latest().events):
-            assert loop.time() < deadline, "the loss was never noticed"
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: any("lock lost" in e for e in f.rollout.latest().events),
+                       "the deploy to notice the lock is lost")
         gate.set()
         status, record = await deploying
     assert status == 202

@@ -22,6 +22,7 @@ from dpserve.serve import compose
 from tests.conftest import serving
 from tests.fakes import MODEL, FakeReplica
 from tests.rollout.checkpoints import perturbed, write_variant
+from tests.waiting import wait_for
 
 
 @contextlib.asynccontextmanager
@@ -43,14 +44,6 @@ async def router_on(urls: list[str], link: Path, lock: Path) -> AsyncIterator[
             yield url, router, rollout
         finally:
             await rollout.aclose()
-
-
-async def wait_for(condition, what: str, deadline_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + deadline_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not within {deadline_s} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

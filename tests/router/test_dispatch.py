@@ -18,6 +18,7 @@ from dpserve.router.dispatch import Dispatcher, Unavailable
 from dpserve.router.policies import RequestInfo, make_policy
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.conftest import running_router
+from tests.waiting import wait_for
 
 REQUEST = RequestInfo(route="/v1/completions")
 
@@ -87,11 +88,8 @@ async def test_clients_that_leave_mid_stream_leave_no_count_behind(fake_replicas
             await writer.drain()
             await reader.readuntil(b"data: ")  # the stream has started
             writer.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while (r0.in_flight or replica.open_streams) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert r0.in_flight == 0 and replica.open_streams == 0
+        await wait_for(lambda: r0.in_flight == 0 and replica.open_streams == 0,
+                       "every stream to be released")
         assert replica.closed_streams == 5
 
 

@@ -11,15 +11,9 @@ import httpx
 from dpserve.router.breaker import BreakerState
 from tests.conftest import running_router
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
-
-
-async def wait_until(predicate, what: str, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_503_from_one_replica_is_retried_on_another(fake_replicas):
@@ -112,9 +106,9 @@ async def test_full_replicas_queue_requests_then_refuse_with_retry_after(fake_re
     async with (running_router([slow.url], **settings) as (base, router),
                 httpx.AsyncClient(timeout=10) as c):
         first = asyncio.create_task(c.post(base + "/v1/completions", json=stream))
-        await wait_until(lambda: router.pool.get("r0").in_flight == 1, "the first request")
+        await wait_for(lambda: router.pool.get("r0").in_flight == 1, "the first request")
         second = asyncio.create_task(c.post(base + "/v1/completions", json=stream))
-        await wait_until(lambda: router.dispatcher.queue.waiting == 1, "the second to queue")
+        await wait_for(lambda: router.dispatcher.queue.waiting == 1, "the second to queue")
         refused = await c.post(base + "/v1/completions", json=stream)
         assert slow.open_streams == 1  # the cap holds: one at a time on the replica
         assert "dpserve_queue_depth 1.0" in (await c.get(base + "/metrics")).text
@@ -134,7 +128,7 @@ async def test_a_request_waiting_too_long_in_the_queue_is_refused(fake_replicas)
     async with (running_router([stuck.url], **settings) as (base, router),
                 httpx.AsyncClient(timeout=10) as c):
         hung = asyncio.create_task(c.post(base + "/v1/completions", json=BODY))
-        await wait_until(lambda: router.pool.get("r0").in_flight == 1, "the hung request")
+        await wait_for(lambda: router.pool.get("r0").in_flight == 1, "the hung request")
         waited = await c.post(base + "/v1/completions", json=BODY)
         hung.cancel()
     assert waited.status_code == 429

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,22 +30,6 @@ async def running_engine(config: SimConfig = FAST) -> AsyncIterator[Engine]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def wait_for(check: Callable[[], Awaitable[bool]] | Callable[[], bool],
-                   timeout_s: float = 5.0, what: str = "condition") -> None:
-    """Poll `check` until it is true, failing after `timeout_s`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 async def scrape(url: str) -> dict[str, float]:

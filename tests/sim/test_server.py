@@ -16,7 +16,8 @@ import pytest
 
 from dpserve.sim import SimReplica, tokenizer
 from dpserve.sim.engine import TIMER_SLACK_S
-from tests.sim.conftest import FAST, TOLERANCE_S, scrape, wait_for
+from tests.sim.conftest import FAST, TOLERANCE_S, scrape
+from tests.waiting import wait_for
 
 
 @pytest.fixture

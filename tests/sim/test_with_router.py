@@ -9,7 +9,8 @@ import aiohttp
 
 from dpserve.sim import Fault, Fleet
 from tests.conftest import running_router
-from tests.sim.conftest import FAST, wait_for
+from tests.sim.conftest import FAST
+from tests.waiting import wait_for
 
 
 async def test_the_router_spreads_load_and_follows_a_replicas_health():
