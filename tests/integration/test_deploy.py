@@ -402,9 +402,13 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
     # The restarted replica loaded the deployed checkpoint, not the base model...
     assert f.versions() == [deployed, deployed]
-    runs_log = next((f.work / "runs").iterdir()) / "replica-r1.log"
+    (runs_log,) = [d / "replica-r1.log" for d in (f.work / "runs").iterdir()
+                   if (d / "replica-r1.log").exists()]  # beside it: the snapshot store
     starts = [ln for ln in runs_log.read_text().splitlines() if "dpserve: starting r1" in ln]
-    assert len(starts) == 2 and f"--model {f.finetuned} " in starts[-1]
+    assert len(starts) == 2
+    model = starts[-1].split("--model ", 1)[1].split()[0]  # the router's snapshot of it
+    assert Path(model).parent == (f.work / "runs" / "snapshots").resolve()
+    assert weights_for(model).version == deployed
     # ...and answers exactly as the replica that was reloaded back to it.
     urls = [r["url"] for r in f.replicas()]
     for p in prompt_ids(f):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from dpserve.checkpoint import META_FILE, CheckpointError
-from dpserve.finetune.train import load_tensors_only
+from dpserve.finetune.state import load_tensors_only
 from dpserve.rollout.lock import DeployLock
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import deploy, fleet
