@@ -191,7 +191,7 @@ def _add_config_reference(sub: Subparsers) -> None:
     reference = sub.add_parser(
         "config-reference", help="print the configuration reference (Markdown)",
         description="Every setting, flag and environment variable, generated from the "
-                    "config model and this parser; README.md holds a copy.")
+                    "config model and this parser; docs/configuration.md holds a copy.")
     mode = reference.add_mutually_exclusive_group()
     mode.add_argument("--write", metavar="FILE", help="replace the reference block in FILE")
     mode.add_argument("--check", metavar="FILE", help="exit 1 if FILE's block is stale")

@@ -1,4 +1,4 @@
-"""README.md's configuration reference is the generated one, and the generator misses nothing."""
+"""docs/configuration.md is the generated reference, and the generator misses nothing."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from dpserve.finetune.config import FinetuneConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_readme_holds_the_generated_reference():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_docs_hold_the_generated_reference():
+    readme = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     block = config_reference.generate(build_parser())
     assert config_reference.replace_block(readme, block) == readme, (
-        "README.md's configuration reference is stale: run "
-        "`dpserve config-reference --write README.md`")
+        "docs/configuration.md is stale: run "
+        "`dpserve config-reference --write docs/configuration.md`")
 
 
 def test_every_setting_has_a_row_with_its_variable_and_meaning():
