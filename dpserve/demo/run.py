@@ -135,26 +135,12 @@ def run_demo(options: DemoOptions) -> int:
         with _phase(timings, "load test + deploy"):
             load, deploy_code, during = _deploy_under_load(
                 checkpoint, base, model_dir, TINY_MODEL_NAME, options, out, env, helpers)
-        ok &= deploy_code == 0
-        load_metrics = load.get("metrics", {})
-        print(f"load test: {load_metrics.get('completed', '?')} requests succeeded, "
-              f"{load_metrics.get('failed', '?')} failed; {during} answered while the deploy "
-              f"ran (full report: {out / 'loadtest.log'})")
-        ok &= load_metrics.get("failed") == 0 and during > 0
-        status = subprocess.run([sys.executable, "-m", "dpserve", "status", "--router", base],
-                                capture_output=True, text=True, env=env, timeout=60)
-        print(status.stdout.rstrip())
+        ok &= _report_deploy(load, deploy_code, during, base, out, env)
 
         _section("5. the same questions for the fine-tuned model")
         after = _ask(client, TINY_MODEL_NAME, questions)
         _print_answers(after)
-        accuracy = sum(a.right for a in after) / len(after)
-        ok &= accuracy >= PASS_ACCURACY
-        (out / "answers.json").write_text(json.dumps({
-            "checkpoint": str(checkpoint), "before": [asdict(a) for a in before],
-            "after": [asdict(a) for a in after], "accuracy_before":
-            sum(a.right for a in before) / len(before), "accuracy_after": accuracy,
-        }, indent=2) + "\n")
+        ok &= _record_answers(out / "answers.json", checkpoint, before, after) >= PASS_ACCURACY
 
         _section("6. where things are")
         _print_locations(base, out, checkpoint)
@@ -176,6 +162,32 @@ def run_demo(options: DemoOptions) -> int:
 
 
 # -- the steps ------------------------------------------------------------------------------
+
+
+def _report_deploy(load: dict[str, Any], deploy_code: int, during: int, base: str, out: Path,
+                   env: dict[str, str]) -> bool:
+    """Print how the load test fared during the deploy and `dpserve status`; whether the
+    deploy succeeded with no failed request and some answered while it ran."""
+    load_metrics = load.get("metrics", {})
+    print(f"load test: {load_metrics.get('completed', '?')} requests succeeded, "
+          f"{load_metrics.get('failed', '?')} failed; {during} answered while the deploy "
+          f"ran (full report: {out / 'loadtest.log'})")
+    status = subprocess.run([sys.executable, "-m", "dpserve", "status", "--router", base],
+                            capture_output=True, text=True, env=env, timeout=60)
+    print(status.stdout.rstrip())
+    return deploy_code == 0 and load_metrics.get("failed") == 0 and during > 0
+
+
+def _record_answers(path: Path, checkpoint: Path, before: list[Answer],
+                    after: list[Answer]) -> float:
+    """Write both sets of answers to `path`; the accuracy after fine-tuning."""
+    accuracy = sum(a.right for a in after) / len(after)
+    path.write_text(json.dumps({
+        "checkpoint": str(checkpoint), "before": [asdict(a) for a in before],
+        "after": [asdict(a) for a in after], "accuracy_before":
+        sum(a.right for a in before) / len(before), "accuracy_after": accuracy,
+    }, indent=2) + "\n")
+    return accuracy
 
 
 def _ask(client: Any, model: str, questions: list[Any]) -> list[Answer]:
