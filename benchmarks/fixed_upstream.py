@@ -3,7 +3,9 @@
 This is a *fake* replica for benchmarking the router's data plane: it does no
 inference, so the time it spends per request is as small and as constant as an
 aiohttp server allows, and whatever a client measures through the router on
-top of a direct call is the router's own cost.
+top of a direct call is the router's own cost. Separate from the test fakes
+because it has no faults, no bookkeeping and pre-serialized bodies: any work it
+did would be counted against the router.
 
     python benchmarks/fixed_upstream.py --port 9001 [--model NAME] [--chunks 16]
         [--chunk-delay-ms 0] [--stamp]

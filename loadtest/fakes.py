@@ -1,5 +1,14 @@
 """A fake OpenAI streaming server with scripted timing and faults, to check the harness.
 
+Why a fake of its own: it is the load-test package's (which must not depend on
+dpserve), its job is timing that is known to the microsecond (the harness's
+accuracy is measured against it), and it runs alone as a process for benchmarks.
+dpserve's other fakes: tests/fakes.py (a replica that misbehaves on cue for the
+router's tests), tests/fake_vllm_server.py (a replica *process* for the
+supervisor), benchmarks/fixed_upstream.py (the cheapest possible upstream, for
+the router's overhead), dpserve/sim (a model of an engine's scheduler and prefix
+cache, for routing quality at fleet scale).
+
 `FakeOpenAIServer` is an aiohttp server (127.0.0.1 by default) that answers
 ``/v1/completions`` and ``/v1/chat/completions`` as vLLM's OpenAI server does
 when streaming: one SSE event per token, the last with a ``finish_reason``,
@@ -13,10 +22,12 @@ inference; its timing is the script's:
   inter-token delay the whole answer goes out in one write (a fixed-response
   server, fast enough to load-test the client);
 - ``faults`` maps the n-th request the server receives (from 0) to a fault:
-  ``http500``/``http429`` (an error envelope), ``drop`` (close the connection
-  before answering), ``cut`` (close it after the first token), ``error_event``
-  (an error event after the first token), ``hang`` (stall after the first
-  token until the server stops), ``no_done`` (end without ``data: [DONE]``);
+  ``error500``/``error429`` (an error envelope with that status), ``drop``
+  (close the connection before answering), ``cut`` (close it after the first
+  token), ``error_event`` (an error event after the first token), ``hang``
+  (stall after the first token until the server stops), ``no_done`` (end
+  without ``data: [DONE]``). The same words as dpserve's test fake replica
+  (tests/fakes.py) where the faults are the same;
 - with ``replicas`` it names a replica in the ``x-dpserve-replica`` header,
   round-robin, as dpserve's router does.
 
@@ -44,7 +55,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-Fault = Literal["http500", "http429", "drop", "cut", "error_event", "hang", "no_done"]
+Fault = Literal["error500", "error429", "drop", "cut", "error_event", "hang", "no_done"]
 DEFAULT_MODEL = "fake-model"
 _DEFAULT_TOKENS = 16
 
@@ -136,8 +147,8 @@ class FakeOpenAIServer:
         fault = script.faults.get(n)
         headers = {"x-dpserve-replica": script.replicas[n % len(script.replicas)]} \
             if script.replicas else {}
-        if fault in ("http500", "http429"):
-            status = int(fault[4:])
+        if fault in ("error500", "error429"):
+            status = int(fault[5:])
             return web.json_response({"error": {
                 "message": f"scripted {status}", "type": "ServerError", "param": None,
                 "code": status}}, status=status, headers=headers)

@@ -3,7 +3,8 @@
 Speaks `/health` and `/v1/models`, and like vLLM keeps a child process (its
 "engine core") in its process group, so tests can check that stopping a
 replica leaves nothing behind. `--fail-after-s` makes it exit with an error
-before it becomes healthy.
+before it becomes healthy. Separate from tests/fakes.py because it is a process
+(what the supervisor starts, watches, signals and kills), not an in-process server.
 
     python tests/fake_vllm_server.py --port P [--fail-after-s S] [--startup-delay-s S]
 """

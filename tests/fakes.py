@@ -1,5 +1,10 @@
 """Fake replicas for the cases a real vLLM cannot show on cue.
 
+The fault words (`error<STATUS>`, `drop`, `cut`, `hang`) are the load-test fake's
+(loadtest/fakes.py) where the faults are the same; each of the project's other
+fakes says there why it is separate (one job each: timing, processes, overhead,
+fleet-scale scheduling).
+
 `FakeReplica` is an in-process aiohttp server that speaks just enough of
 vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and of its
 Prometheus `/metrics` (a few `vllm:` series, vLLM's names and labels) and can be told

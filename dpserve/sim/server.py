@@ -6,7 +6,11 @@ Routes, as vLLM's OpenAI server has them: `POST /v1/completions`,
 `control=True` also `GET|PUT|DELETE /sim/fault` (see faults.py); off by default,
 so a router in front cannot be told about the simulation.
 
-A client that disconnects aborts its request in the engine, as in vLLM.
+A client that disconnects aborts its request in the engine, as in vLLM. Not one
+of the test fakes: it models an engine's scheduler, KV cache and prefix cache in
+time, so routing policies can be compared at fleet scale; its faults are
+structured (`faults.Fault`: a mode, a status, a stall point) and settable over
+HTTP, for fleets started as processes.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def test_the_random_dataset_uses_the_models_tokenizer(threaded_server, tokenizer
 
 def test_failed_requests_are_counted_and_the_exit_status_says_so(
         threaded_server, prompts, tmp_path, capsys):
-    server = threaded_server(Script(faults={1: "http500", 2: "cut", 4: "http500"}))
+    server = threaded_server(Script(faults={1: "error500", 2: "cut", 4: "error500"}))
     out = tmp_path / "run.json"
     code = run("--base-url", server.url, "--dataset", "jsonl", "--dataset-path", str(prompts),
                "--num-prompts", "6", "--max-concurrency", "1", "--output-len", "3",

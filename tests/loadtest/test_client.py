@@ -93,8 +93,8 @@ async def test_a_non_streaming_request_has_latency_but_no_ttft(fake_server):
 
 
 @pytest.mark.parametrize(("fault", "reason"), [
-    ("http500", "http_500"),
-    ("http429", "http_429"),
+    ("error500", "http_500"),
+    ("error429", "http_429"),
     ("drop", "disconnected"),
     ("cut", "incomplete_stream"),
     ("no_done", "incomplete_stream"),
@@ -110,7 +110,7 @@ async def test_failures_are_recorded_by_reason_not_raised(fake_server, fault, re
 
 
 async def test_an_http_error_keeps_the_servers_message(fake_server):
-    server = await fake_server(Script(faults={0: "http500"}))
+    server = await fake_server(Script(faults={0: "error500"}))
     r = await request(server.url)
     assert (r.status, r.detail) == (500, "scripted 500")
 
