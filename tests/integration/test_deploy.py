@@ -409,7 +409,11 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     model = starts[-1].split("--model ", 1)[1].split()[0]  # the router's snapshot of it
     assert Path(model).parent == (f.work / "runs" / "snapshots").resolve()
     assert weights_for(model).version == deployed
-    # ...and answers exactly as the replica that was reloaded back to it.
+    # ...and answers as the replica that was reloaded back to it: the same tokens, the
+    # same logprobs to float32 rounding (a fresh engine and a reloaded one were seen one
+    # ulp apart; another checkpoint's weights are thousands of ulps away).
     urls = [r["url"] for r in f.replicas()]
     for p in prompt_ids(f):
-        assert completion(urls[0], p) == completion(urls[1], p)
+        (tokens0, logprobs0), (tokens1, logprobs1) = completion(urls[0], p), completion(urls[1], p)
+        assert tokens0 == tokens1
+        assert logprobs0 == pytest.approx(logprobs1, abs=1e-4)
