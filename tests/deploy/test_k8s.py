@@ -28,8 +28,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dpserve.cli import _parser
-from dpserve.config import RouterConfig, parse_target
+from dpserve.cli import _flags, _parser
+from dpserve.config import RouterConfig, build_router_config, is_loopback_host, parse_target
 from dpserve.finetune.config import build_finetune_config
 from dpserve.router.app import Router, build_app
 from dpserve.router.pool import ReplicaPool
@@ -296,32 +296,37 @@ def writable(mounts: list[Obj]) -> list[Obj]:
     return [m for m in mounts if not m.get("readOnly")]
 
 
-def test_routers_write_only_the_lock_the_link_and_the_snapshots(overlay):
-    _, objs = overlay
-    router, c, ns = router_ns(objs)
-    mounts = mounts_of_claim(router, c, "dpserve-data")
-    (rw,) = writable(mounts)  # one writable part of the volume, the rest read-only
-    for path in (ns.deploy_lock, ns.deployed_link, ns.snapshot_dir):
-        assert under(path, [rw]), path
-    assert under(ns.base_model, mounts) and under(ns.checkpoint_root, mounts)
-    assert not under(ns.checkpoint_root, [rw])  # checkpoints: read, copied, never written
-    # Engines start on the link a successful deploy re-points, so a restarted engine
-    # serves what routers believe it serves; they read the store at the same path.
-    engine = find(objs, "StatefulSet", "dpserve-engine")
-    engine_model = engine_args(engine)
-    assert ns.deployed_link == ns.base_model == engine_model[engine_model.index("--model") + 1]
-    (ec,) = pod_spec(engine)["containers"]
-    engine_mounts = mounts_of_claim(engine, ec, "dpserve-data")
-    assert writable(engine_mounts) == []
-    assert [m["mountPath"] for m in engine_mounts if m.get("subPath") == rw.get("subPath")
-            ] == [rw["mountPath"]]
-    assert ns.graceful_shutdown_s < pod_spec(router)["terminationGracePeriodSeconds"]
+def env_of(container: Obj) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def covering(path: str, mounts: list[Obj]) -> Obj:
+    """The mount `path` lies on (the deepest, as the kernel resolves it)."""
+    found = [m for m in mounts if under(path, [m])]
+    assert found, f"{path} is on no mount"
+    return max(found, key=lambda m: len(m["mountPath"]))
+
+
+def place(mount: Obj) -> tuple[str, str]:
+    """Where a mount shows which part of the volume: (subPath, mountPath)."""
+    return mount.get("subPath", ""), mount["mountPath"]
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Whether two subPaths of one volume share files ("" is the whole volume)."""
+    a, b = a.strip("/") + "/", b.strip("/") + "/"
+    return a == "/" or b == "/" or a.startswith(b) or b.startswith(a)
+
+
+def finetune_ns(objs: list[Obj]) -> tuple[Obj, Obj, Any]:
+    job = find(objs, "Job", "dpserve-finetune")
+    (c,) = pod_spec(job)["containers"]
+    return job, c, _parser().parse_args(c["args"])
 
 
 def test_router_keys_are_required_files_from_the_secret_never_env_or_flags(overlay):
     _, objs = overlay
     router, c, ns = router_ns(objs)
-    assert not any(e["name"].startswith("DPSERVE_") for e in c.get("env", []))
     secrets = {v["name"]: v["secret"] for v in pod_spec(router)["volumes"] if "secret" in v}
     key_mounts = [m for m in c["volumeMounts"] if m["name"] in secrets]
     assert key_mounts and all(m.get("readOnly") for m in key_mounts)
@@ -332,6 +337,69 @@ def test_router_keys_are_required_files_from_the_secret_never_env_or_flags(overl
         assert not secret.get("optional")  # no key: the pod does not start
         assert secret["defaultMode"] & 0o007 == 0  # not world-readable
         assert path.rsplit("/", 1)[1] in {i["path"] for i in secret["items"]}
+    assert pod_spec(router)["securityContext"]["fsGroup"] == \
+        pod_spec(router)["securityContext"]["runAsGroup"]  # 0440: the group reads them
+
+
+def optional_secret_refs(node: Any, where: str = "") -> Iterator[str]:
+    """Where, in an object, a Secret is referred to as optional (a key that may be absent)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("secret", "secretKeyRef", "secretRef") and isinstance(value, dict) \
+                    and value.get("optional"):
+                yield f"{where}.{key}"
+            yield from optional_secret_refs(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from optional_secret_refs(value, f"{where}[{i}]")
+
+
+def test_no_secret_is_optional_and_no_key_is_in_an_environment(overlay):
+    _, objs = overlay
+    found = [f"{o['kind']}/{o['metadata']['name']}{w}" for o in objs
+             for w in optional_secret_refs(o)]
+    assert found == []
+    assert [o for o in objs if o["kind"] == "Secret"] == []  # keys are made in the cluster
+    for obj in objs:
+        for c in containers(obj):
+            assert not any("secretRef" in e for e in c.get("envFrom", [])), c["name"]
+            assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", []))
+            assert not {e["name"] for e in c.get("env", [])} & {
+                "DPSERVE_API_KEY", "DPSERVE_API_KEYS", "DPSERVE_ADMIN_KEY"}
+
+
+def test_the_routers_settings_pass_its_own_validation_with_both_keys(overlay, tmp_path):
+    """What `dpserve router` does at start-up in the pod, with the Secret's files: it refuses
+    to start listening beyond loopback without an admin key, or with a key it rejects."""
+    _, objs = overlay
+    _, c, ns = router_ns(objs)
+    files = {ns.api_key_file: "client-key-" + "0" * 24 + "\n",
+             ns.admin_key_file: "admin-key-" + "1" * 32 + "\n"}
+    flags = _flags(ns)
+    for name, path in (("api_key_file", ns.api_key_file), ("admin_key_file", ns.admin_key_file)):
+        local = tmp_path / Path(path).name
+        local.write_text(files[path])
+        flags[name] = str(local)
+    cfg = build_router_config(flags, {}, env_of(c))
+    assert cfg.api_keys == [files[ns.api_key_file].strip()]
+    assert cfg.admin_key == files[ns.admin_key_file].strip()
+    assert not cfg.insecure_admin
+
+
+def test_the_admin_api_listens_on_the_pods_loopback_only(overlay, monkeypatch):
+    _, objs = overlay
+    _, c, ns = router_ns(objs)
+    assert ns.admin_port is not None and ns.admin_port != ns.port
+    assert is_loopback_host(ns.admin_host or RouterConfig().admin_host)
+    assert ns.admin_port not in {p["containerPort"] for p in c["ports"]}
+    service = find(objs, "Service", "dpserve-router")
+    assert all(named_port(c, p["targetPort"]) != ns.admin_port for p in service["spec"]["ports"])
+    # `kubectl exec deploy/dpserve-router -- dpserve deploy|status ...` (deploy/README.md)
+    # reaches that listener with no --router flag.
+    monkeypatch.setenv("DPSERVE_ROUTER_URL", env_of(c)["DPSERVE_ROUTER_URL"])
+    for command in (["deploy", "/data/runs/ft/step-000200"], ["status"]):
+        url = _parser().parse_args(command).router
+        assert url == f"http://127.0.0.1:{ns.admin_port}", command
 
 
 # -- pod security ------------------------------------------------------------------------
@@ -339,45 +407,224 @@ def test_router_keys_are_required_files_from_the_secret_never_env_or_flags(overl
 
 WORKLOADS = (("StatefulSet", "dpserve-engine"), ("Deployment", "dpserve-router"),
              ("Job", "dpserve-finetune"))
+READ_ONLY_ROOT_EXCEPTIONS: dict[str, str] = {}
+"""`pod/container` -> why it must write its root filesystem. None today: every write goes
+to an emptyDir (HOME, caches, /tmp, /dev/shm) or to the container's part of the volume."""
+SCRATCH_ENV = re.compile(r"^(HOME|TMPDIR|HF_HOME|XDG_\w+|\w*CACHE\w*|\w*CONFIG_ROOT)$")
+"""Variables naming where a program writes its caches and settings."""
+
+
+def pod_templates(objs: list[Obj]) -> list[tuple[str, Obj]]:
+    """(name, pod spec) of every pod the manifests make, whatever makes it."""
+    found = []
+    for obj in objs:
+        spec = obj.get("spec", {})
+        if obj["kind"] == "Pod":
+            found.append((obj["metadata"]["name"], spec))
+        elif obj["kind"] == "CronJob":
+            found.append((obj["metadata"]["name"], spec["jobTemplate"]["spec"]["template"]["spec"]))
+        elif "template" in spec:
+            found.append((obj["metadata"]["name"], spec["template"]["spec"]))
+    return found
+
+
+def all_containers(spec: Obj) -> list[Obj]:
+    return [*spec.get("initContainers", []), *spec["containers"],
+            *spec.get("ephemeralContainers", [])]
 
 
 def test_every_pod_runs_confined(overlay):
     _, objs = overlay
-    for kind, name in WORKLOADS:
-        spec = pod_spec(find(objs, kind, name))
-        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
-        assert spec["automountServiceAccountToken"] is False, name
-        assert spec["securityContext"]["runAsNonRoot"] is True, name
-        for c in spec["containers"]:
+    pods = pod_templates(objs)
+    assert {name for _, name in WORKLOADS} <= {name for name, _ in pods}
+    for name, spec in pods:
+        psc = spec["securityContext"]
+        assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["automountServiceAccountToken"] is False, name  # none calls the API
+        assert psc["runAsNonRoot"] is True and psc.get("runAsUser") != 0, name
+        assert not any(spec.get(f) for f in ("hostNetwork", "hostPID", "hostIPC")), name
+        assert not any("hostPath" in v for v in spec.get("volumes", [])), name
+        for c in all_containers(spec):
+            where = f"{name}/{c['name']}"
             sc = c["securityContext"]
-            assert sc["allowPrivilegeEscalation"] is False, name
-            assert sc["capabilities"]["drop"] == ["ALL"], name
-            assert sc["readOnlyRootFilesystem"] is True, name
-            # What they do write goes to an emptyDir at /tmp (HOME and caches point there).
-            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
-            (volume,) = [v for v in spec["volumes"] if v["name"] == tmp[0]["name"]]
-            assert "emptyDir" in volume and volume["emptyDir"].get("sizeLimit"), name
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc.get("privileged") is not True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert not sc["capabilities"].get("add"), where
+            # A container may not loosen what its pod sets.
+            assert sc.get("seccompProfile", psc["seccompProfile"]) == psc["seccompProfile"]
+            assert sc.get("runAsNonRoot", True) is True and sc.get("runAsUser") != 0, where
+            assert sc["readOnlyRootFilesystem"] is (where not in READ_ONLY_ROOT_EXCEPTIONS), where
+            assert not any("hostPort" in p for p in c.get("ports", [])), where
+
+
+def test_what_containers_write_goes_to_bounded_emptydirs(overlay):
+    _, objs = overlay
+    for name, spec in pod_templates(objs):
+        empty = {v["name"]: v["emptyDir"] for v in spec["volumes"] if "emptyDir" in v}
+        for c in all_containers(spec):
+            where = f"{name}/{c['name']}"
+            scratch = [m for m in c["volumeMounts"] if m["name"] in empty and not m.get("readOnly")]
+            assert any(m["mountPath"] == "/tmp" for m in scratch), where
+            # A runaway cache evicts the pod rather than filling the node's disk or memory.
+            assert all(empty[m["name"]].get("sizeLimit") for m in scratch), where
+            env = env_of(c)
+            assert "HOME" in env, where  # the image's HOME is on the read-only root
+            for var, value in env.items():
+                if SCRATCH_ENV.match(var):
+                    assert under(value, scratch), (where, var, value)
+            if "nvidia.com/gpu" in c["resources"]["limits"]:  # they compile kernels
+                assert {"XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(env)
+    (engine,) = pod_spec(find(objs, "StatefulSet", "dpserve-engine"))["containers"]
+    assert {"VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT"} <= set(env_of(engine))
 
 
 # -- network policy ----------------------------------------------------------------------
+# A small reading of NetworkPolicy as a CNI enforces it, so the tests ask "may this pod
+# open that port on that one?" rather than how the rules happen to be spelled.
+
+NS_LABEL = "kubernetes.io/metadata.name"  # every namespace carries its name as this label
+
+
+@dataclasses.dataclass
+class Peer:
+    """One end of a connection: a pod (its namespace's labels, its labels, its named
+    ports), or an address that is no pod (`labels` None), e.g. outside the cluster."""
+
+    namespace: dict[str, str]
+    labels: dict[str, str] | None
+    ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def policies(objs: list[Obj]) -> list[Obj]:
     return [o for o in objs if o["kind"] == "NetworkPolicy"]
 
 
-def labels_by_component(objs: list[Obj]) -> dict[str, dict[str, str]]:
-    return {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]:
-            o["spec"]["template"]["metadata"]["labels"]
-            for o in objs if o["kind"] in ("StatefulSet", "Deployment", "Job")}
-
-
-def applies(policy: Obj, labels: dict[str, str]) -> bool:
-    selector = policy["spec"]["podSelector"]
+def matches(selector: Obj, labels: dict[str, str]) -> bool:
+    """A label selector: matchLabels and matchExpressions, every operator; {} matches all."""
     if not selects(selector.get("matchLabels", {}), labels):
         return False
-    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
-               if e["operator"] == "In")
+    for e in selector.get("matchExpressions", []):
+        key, values = e["key"], e.get("values", [])
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": labels.get(key) not in values,
+              "Exists": key in labels,
+              "DoesNotExist": key not in labels}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def policy_types(policy: Obj) -> list[str]:
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
+
+
+def _peer_matches(peer: Obj, other: Peer, namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return True  # read generously: a block may hold any address, pods' included
+    if other.labels is None:
+        return False
+    ns_selector = peer.get("namespaceSelector")
+    in_namespace = (other.namespace.get(NS_LABEL) == namespace if ns_selector is None
+                    else matches(ns_selector, other.namespace))
+    return in_namespace and matches(peer.get("podSelector", {}), other.labels)
+
+
+def _port_matches(rule: Obj, port: int, protocol: str, dst: Peer) -> bool:
+    for p in rule.get("ports") or [{}]:  # no ports: every port
+        if p and p.get("protocol", "TCP") != protocol:
+            continue
+        want = p.get("port")
+        if want is None:
+            return True
+        if isinstance(want, str):  # a named port of the destination's containers
+            if want not in dst.ports:
+                continue
+            want = dst.ports[want]
+        if want <= port <= p.get("endPort", want):
+            return True
+    return False
+
+
+def _admits(objs: list[Obj], pod: Peer, other: Peer, direction: str, port: int,
+            protocol: str, dst: Peer) -> bool:
+    """Whether the policies of `pod`'s namespace let it accept from (Ingress) or open to
+    (Egress) `other`. A pod no policy of that direction selects is not isolated."""
+    if pod.labels is None:
+        return True
+    namespace = pod.namespace.get(NS_LABEL)
+    selecting = [p for p in policies(objs) if p["metadata"].get("namespace") == namespace
+                 and direction in policy_types(p) and matches(p["spec"]["podSelector"], pod.labels)]
+    if not selecting:
+        return True
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return any((not rule.get(peers_key)
+                or any(_peer_matches(peer, other, namespace) for peer in rule[peers_key]))
+               and _port_matches(rule, port, protocol, dst)
+               for p in selecting for rule in p["spec"].get(rules_key, []))
+
+
+def may_connect(objs: list[Obj], src: Peer, dst: Peer, port: int, protocol: str = "TCP") -> bool:
+    return (_admits(objs, src, dst, "Egress", port, protocol, dst)
+            and _admits(objs, dst, src, "Ingress", port, protocol, dst))
+
+
+def accepts(objs: list[Obj], dst: Peer, src: Peer, port: int, protocol: str = "TCP") -> bool:
+    """Whether `dst`'s own ingress rules admit `src`, whatever `src`'s egress allows (a pod
+    added later, or one in a namespace without policies, may have open egress)."""
+    return _admits(objs, dst, src, "Ingress", port, protocol, dst)
+
+
+def cluster(objs: list[Obj]) -> dict[str, Peer]:
+    """The namespace's pods by component, and what else a cluster holds around them."""
+    peers: dict[str, Peer] = {}
+    namespace = ""
+    for obj in objs:
+        if obj["kind"] in ("StatefulSet", "Deployment", "Job"):
+            template = obj["spec"]["template"]
+            labels = template["metadata"]["labels"]
+            namespace = obj["metadata"]["namespace"]
+            ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"]
+                     for p in c.get("ports", []) if "name" in p}
+            peers[labels["app.kubernetes.io/component"]] = Peer({NS_LABEL: namespace}, labels,
+                                                                ports)
+    assert set(peers) == {"engine", "router", "finetune"}
+    peers["stranger"] = Peer({NS_LABEL: namespace}, {"app": "debug-shell"})  # same namespace
+    peers["client"] = Peer({NS_LABEL: "apps"}, {"app": "chat"})
+    peers["prometheus"] = Peer({NS_LABEL: "monitoring"}, {"app.kubernetes.io/name": "prometheus"})
+    peers["kube-dns"] = Peer({NS_LABEL: "kube-system"}, {"k8s-app": "kube-dns"})
+    peers["outside"] = Peer({}, None)
+    return peers
+
+
+def test_the_policy_reading_agrees_with_kubernetes_semantics():
+    def policy(name: str, spec: Obj) -> Obj:
+        return {"kind": "NetworkPolicy", "metadata": {"name": name, "namespace": "t"},
+                "spec": spec}
+
+    a = Peer({NS_LABEL: "t"}, {"role": "a"}, {"web": 80})
+    b = Peer({NS_LABEL: "t"}, {"role": "b"}, {"web": 80})
+    elsewhere = Peer({NS_LABEL: "x"}, {"role": "a"})
+    assert may_connect([], a, b, 80)  # no policy: nothing is isolated
+    deny = policy("deny", {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]})
+    assert not may_connect([deny], a, b, 80)
+    to_b = policy("to-b", {"podSelector": {"matchLabels": {"role": "b"}}, "ingress": [
+        {"from": [{"podSelector": {"matchLabels": {"role": "a"}}}], "ports": [{"port": "web"}]}]})
+    out = policy("out", {"podSelector": {"matchExpressions": [
+        {"key": "role", "operator": "NotIn", "values": ["b"]}]}, "policyTypes": ["Egress"],
+        "egress": [{}]})
+    objs = [deny, to_b, out]
+    assert policy_types(to_b) == ["Ingress"]
+    assert may_connect(objs, a, b, 80)  # named port, pod selector, an empty egress rule
+    assert not may_connect(objs, a, b, 81)
+    assert not may_connect(objs, a, b, 80, "UDP")
+    assert not may_connect(objs, elsewhere, b, 80)  # a podSelector alone: its own namespace
+    assert not may_connect(objs, b, a, 80)  # b's egress is still denied
+    anywhere = policy("any", {"podSelector": {}, "ingress": [
+        {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]})
+    assert may_connect([anywhere], Peer({}, None), b, 80)
+    assert may_connect([anywhere], elsewhere, b, 80)  # pods' addresses may be in the block
 
 
 def test_a_default_deny_policy_covers_every_pod_both_ways(overlay):
@@ -386,56 +633,136 @@ def test_a_default_deny_policy_covers_every_pod_both_ways(overlay):
     assert len(deny) == 1
     assert sorted(deny[0]["spec"]["policyTypes"]) == ["Egress", "Ingress"]
     assert "ingress" not in deny[0]["spec"] and "egress" not in deny[0]["spec"]
+    # A pod nobody wrote a rule for (a debug shell) can neither be reached nor reach out.
+    peers = cluster(objs)
+    stranger = peers.pop("stranger")
+    for name, other in peers.items():
+        for port, protocol in ((8000, "TCP"), (29400, "TCP"), (53, "UDP"), (443, "TCP")):
+            assert not may_connect(objs, other, stranger, port, protocol), (name, port)
+            assert not may_connect(objs, stranger, other, port, protocol), (name, port)
+
+
+def test_clients_and_prometheus_reach_the_routers_api_port_and_no_other(overlay):
+    _, objs = overlay
+    peers = cluster(objs)
+    router, c, ns = router_ns(objs)
+    port = named_port(c, "http")
+    scraped = int(router["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+    assert scraped == port  # prometheus.yaml scrapes /metrics there (the pods' `http` port)
+    for name in ("client", "prometheus", "outside"):
+        assert may_connect(objs, peers[name], peers["router"], port), name
+        for other in (ns.admin_port, 8080, 9090):
+            assert not may_connect(objs, peers[name], peers["router"], other), (name, other)
 
 
 def test_only_router_pods_may_reach_the_engines(overlay):
     _, objs = overlay
-    labels = labels_by_component(objs)
-    rules = [r for p in policies(objs) if applies(p, labels["engine"])
-             for r in p["spec"].get("ingress", [])]
-    (rule,) = rules
-    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
-    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespace, no CIDR
-    assert any(selects(a, labels["router"]) for a in allowed)
-    assert not any(selects(a, labels["finetune"]) or selects(a, labels["engine"])
-                   for a in allowed)
-    engine = find(objs, "StatefulSet", "dpserve-engine")
-    (c,) = pod_spec(engine)["containers"]
-    assert [p["port"] for p in rule["ports"]] == [named_port(c, "http")]
-    # ... and engines reach nothing at all.
-    assert [r for p in policies(objs) if applies(p, labels["engine"])
-            for r in p["spec"].get("egress", [])] == []
+    peers = cluster(objs)
+    port = peers["engine"].ports["http"]
+    assert may_connect(objs, peers["router"], peers["engine"], port)
+    for name, src in peers.items():
+        for p in (port, 8001, 29400):
+            if (name, p) != ("router", port):
+                assert not accepts(objs, peers["engine"], src, p), (name, p)
+
+
+def test_engines_reach_nothing(overlay):
+    _, objs = overlay
+    peers = cluster(objs)
+    engine = peers.pop("engine")
+    for name, dst in [*peers.items(), ("another engine", engine)]:
+        for port, protocol in ((8000, "TCP"), (29400, "TCP"), (53, "UDP"), (53, "TCP"),
+                               (443, "TCP")):
+            assert not may_connect(objs, engine, dst, port, protocol), (name, port, protocol)
 
 
 def test_the_rendezvous_port_is_reachable_from_fine_tune_pods_only(overlay):
     _, objs = overlay
-    labels = labels_by_component(objs)
-    rules = [r for p in policies(objs) if applies(p, labels["finetune"])
-             for r in p["spec"].get("ingress", [])]
-    assert rules
-    for rule in rules:
-        peers = rule["from"]
-        assert all(set(peer) == {"podSelector"} for peer in peers)
-        assert all(selects(peer["podSelector"]["matchLabels"], labels["finetune"])
-                   and not selects(peer["podSelector"]["matchLabels"], labels["router"])
-                   for peer in peers)
+    peers = cluster(objs)
+    finetune = peers["finetune"]
+    _, c, _ = finetune_ns(objs)
+    rdzv = named_port(c, "rdzv")
+    assert rdzv == 29400
+    # The rendezvous, and NCCL/Gloo on ports of their own choosing, among themselves ...
+    for port in (rdzv, 45678):
+        assert may_connect(objs, finetune, finetune, port)
+        # ... and from nobody else.
+        for name, src in peers.items():
+            if name != "finetune":
+                assert not accepts(objs, finetune, src, port), (name, port)
 
 
-def test_routers_may_only_reach_the_engines_and_dns(overlay):
+def test_routers_and_fine_tune_pods_resolve_names_and_reach_nothing_else(overlay):
     _, objs = overlay
-    labels = labels_by_component(objs)
-    rules = [r for p in policies(objs) if applies(p, labels["router"])
-             for r in p["spec"].get("egress", [])]
-    for rule in rules:
-        for peer in rule["to"]:
-            if "namespaceSelector" in peer:  # DNS
-                assert peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
-                assert {p["port"] for p in rule["ports"]} == {53}
-            else:
-                assert selects(peer["podSelector"]["matchLabels"], labels["engine"])
+    peers = cluster(objs)
+    engine_port = peers["engine"].ports["http"]
+    for name in ("router", "finetune"):
+        for protocol in ("UDP", "TCP"):
+            assert may_connect(objs, peers[name], peers["kube-dns"], 53, protocol), name
+        assert not may_connect(objs, peers[name], peers["kube-dns"], 443), name
+        for dst in ("engine", "router", "finetune", "stranger", "client", "prometheus",
+                    "outside"):
+            for port in (8000, 29400, 45678, 443):
+                expected = ((name, dst) == ("finetune", "finetune")  # any port: collectives
+                            or (name, dst, port) == ("router", "engine", engine_port))
+                assert may_connect(objs, peers[name], peers[dst], port) is expected, (name, dst,
+                                                                                      port)
 
 
 # -- storage -----------------------------------------------------------------------------
+
+
+def test_routers_write_only_the_lock_the_link_and_the_snapshots(overlay):
+    _, objs = overlay
+    router, c, ns = router_ns(objs)
+    mounts = mounts_of_claim(router, c, "dpserve-data")
+    (rw,) = writable(mounts)  # one writable part of the volume, every other read-only
+    for path in (ns.deploy_lock, ns.deployed_link, ns.snapshot_dir):
+        assert under(path, [rw]), path
+    assert under(ns.base_model, mounts) and under(ns.checkpoint_root, mounts)
+    assert not under(ns.checkpoint_root, [rw])  # checkpoints: read, copied, never written
+    # ... and nobody else writes that part: what engines load is what a router checked.
+    for kind, name in WORKLOADS:
+        obj = find(objs, kind, name)
+        if obj is not router:
+            for other in containers(obj):
+                for m in writable(mounts_of_claim(obj, other, "dpserve-data")):
+                    assert not overlaps(m.get("subPath", ""), rw.get("subPath", "")), name
+    assert ns.graceful_shutdown_s < pod_spec(router)["terminationGracePeriodSeconds"]
+
+
+def test_engines_read_the_serving_area_at_the_paths_the_router_writes_it(overlay):
+    """The deployed link holds an absolute path (the base model at first, then a snapshot):
+    it must name the same files in an engine pod as in the router that wrote it."""
+    _, objs = overlay
+    router, rc, ns = router_ns(objs)
+    engine = find(objs, "StatefulSet", "dpserve-engine")
+    (ec,) = pod_spec(engine)["containers"]
+    _, _, ft = finetune_ns(objs)
+    router_mounts = mounts_of_claim(router, rc, "dpserve-data")
+    engine_mounts = mounts_of_claim(engine, ec, "dpserve-data")
+    model = engine_args(engine)[engine_args(engine).index("--model") + 1]
+    assert model == ns.deployed_link == ns.base_model  # restarted engines load the deployed
+    for path in (ns.snapshot_dir, ns.deployed_link, ft.model):  # ft.model: the link's first
+        assert place(covering(path, engine_mounts)) == place(covering(path, router_mounts)), path
+    assert writable(engine_mounts) == []
+    (volume,) = [v for v in pod_spec(engine)["volumes"] if v["name"] == engine_mounts[0]["name"]]
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+    # Engines see nothing they do not load: not the checkpoints, not the training data.
+    assert {place(m) for m in engine_mounts} <= {place(m) for m in router_mounts}
+    assert not any(under(ns.checkpoint_root, [m]) for m in engine_mounts)
+
+
+def test_routers_read_the_checkpoints_where_the_fine_tune_writes_them(overlay):
+    _, objs = overlay
+    router, rc, ns = router_ns(objs)
+    job, fc, ft = finetune_ns(objs)
+    assert Path(ft.output).is_relative_to(ns.checkpoint_root)  # deploys accept them
+    job_mounts = mounts_of_claim(job, fc, "dpserve-data")
+    (rw,) = writable(job_mounts)  # the Job writes its outputs and nothing else
+    assert under(ft.output, [rw]) and not under(ft.model, [rw]) and not under(ft.data, [rw])
+    router_side = covering(ns.checkpoint_root, mounts_of_claim(router, rc, "dpserve-data"))
+    assert place(router_side) == place(rw) and router_side.get("readOnly") is True
 
 
 def test_trainer_engines_and_routers_share_one_checkpoint_volume(overlay):

@@ -40,7 +40,8 @@ async def test_deploy_prints_each_replica_and_exits_0(fake_replicas, tiny_model,
 
 async def test_a_refused_deploy_exits_1_with_the_reason(fake_replicas, tiny_model):
     out = io.StringIO()
-    async with fleet(fake_replicas, tiny_model, 1) as f, AdminClient(f.base) as client:
+    async with fleet(fake_replicas, tiny_model, 1, checkpoint_root=tiny_model.parent) as f, \
+            AdminClient(f.base) as client:
         code = await run_deploy(client, tiny_model, {}, out)
     assert code == 1
     assert "deploy refused: HTTP 422:" in out.getvalue() and "no dpserve.json" in out.getvalue()

@@ -170,7 +170,8 @@ async def test_a_second_deploy_while_one_runs_is_refused(fake_replicas, tiny_mod
 
 
 async def test_a_refused_checkpoint_changes_nothing(fake_replicas, tiny_model, tmp_path):
-    async with fleet(fake_replicas, tiny_model, 2) as f, \
+    # the model directory is inside the root, so it is refused for what it holds
+    async with fleet(fake_replicas, tiny_model, 2, checkpoint_root=tiny_model.parent) as f, \
             httpx.AsyncClient(base_url=f.base) as c:
         r = await c.post("/admin/deploy", json={"checkpoint": str(tiny_model)})
         relative = await c.post("/admin/deploy", json={"checkpoint": "out/step-000001"})
