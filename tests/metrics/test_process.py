@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.metrics.process import ProcessCollector, cpuset_size, replica_cores
+from tests.waiting import wait_for_sync
 
 # A parent that starts a child and waits: the shape of a vLLM API server and its engine core.
 PARENT_WITH_CHILD = (
@@ -51,24 +52,22 @@ def scrape(collector: ProcessCollector) -> dict[tuple[str, str], float]:
 
 
 def wait_children(pid: int, n: int) -> list[psutil.Process]:
-    deadline = time.monotonic() + 10
-    while len(kids := psutil.Process(pid).children(recursive=True)) < n:
-        assert time.monotonic() < deadline, "child process did not start"
-        time.sleep(0.02)
-    return kids
+    def children() -> list[psutil.Process]:
+        kids = psutil.Process(pid).children(recursive=True)
+        return kids if len(kids) >= n else []
+
+    return wait_for_sync(children, f"{n} child processes to start", every_s=0.02)
 
 
 def wait_idle(pid: int) -> None:
     proc = psutil.Process(pid)
-    deadline = time.monotonic() + 10
-    before = sum(proc.cpu_times()[:2])
-    while True:
-        time.sleep(0.2)
-        now = sum(proc.cpu_times()[:2])
-        if now == before:
-            return
-        assert time.monotonic() < deadline, "process kept using CPU"
-        before = now
+    seen = [sum(proc.cpu_times()[:2])]
+
+    def idle() -> bool:
+        seen.append(sum(proc.cpu_times()[:2]))
+        return seen[-1] == seen[-2]
+
+    wait_for_sync(idle, "the process to stop using CPU")
 
 
 def test_memory_is_summed_over_the_replica_process_tree(spawn):

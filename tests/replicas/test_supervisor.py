@@ -19,7 +19,7 @@ from dpserve.replicas.launcher import ReplicaSpec, free_port
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor, restart_delay
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_for_sync
 
 FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
 
@@ -128,7 +128,6 @@ def test_replicas_die_with_a_supervisor_that_was_killed(tmp_path):
     still not outlive it (they get SIGTERM when their parent dies)."""
     import json
     import subprocess
-    import time
 
     (spec,) = fake_specs(tmp_path, 1)
     fields = {"id": spec.id, "port": spec.port, "device": spec.device,
@@ -140,10 +139,8 @@ def test_replicas_die_with_a_supervisor_that_was_killed(tmp_path):
         assert len(processes_in_group(replica_pid)) == 2
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 10
-        while processes_in_group(replica_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert processes_in_group(replica_pid) == []
+        wait_for_sync(lambda: processes_in_group(replica_pid) == [],
+                      "the replica's process group to exit with its supervisor", every_s=0.05)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ import httpx
 from dpserve.router.pool import ReplicaState
 from tests.conftest import running_router
 from tests.fakes import MODEL
+from tests.waiting import wait_for
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
@@ -41,10 +42,7 @@ async def test_drain_with_wait_returns_once_in_flight_requests_finished(fake_rep
     async with running_router([a.url]) as (base, router), httpx.AsyncClient() as c:
         stream = asyncio.create_task(
             c.post(base + "/v1/completions", json={**BODY, "stream": True}))
-        deadline = asyncio.get_running_loop().time() + 5
-        while router.pool.get("r0").in_flight == 0:
-            assert asyncio.get_running_loop().time() < deadline, "the stream never started"
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: router.pool.get("r0").in_flight, "the stream to start")
         drained = await c.post(base + "/admin/replicas/r0/drain", json={"wait_s": 10})
         streams_open_at_answer = a.open_streams
         response = await stream
@@ -57,10 +55,7 @@ async def test_drain_gives_up_waiting_at_its_deadline(fake_replicas):
     a = await fake_replicas("a", mode="hang")
     async with running_router([a.url]) as (base, router), httpx.AsyncClient() as c:
         hung = asyncio.create_task(c.post(base + "/v1/completions", json=BODY, timeout=30))
-        deadline = asyncio.get_running_loop().time() + 5
-        while router.pool.get("r0").in_flight == 0:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: router.pool.get("r0").in_flight, "the request to reach r0")
         drained = await c.post(base + "/admin/replicas/r0/drain", json={"wait_s": 0.3})
         hung.cancel()
     assert drained.status_code == 200

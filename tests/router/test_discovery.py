@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from dpserve.router.discovery import Discovery, LookupFailed, diff, resolve_a_re
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.policies import RequestInfo, make_policy
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from tests.waiting import wait_for_sync
 
 FAKE = str(Path(__file__).parents[1] / "fake_vllm_server.py")
 
@@ -141,18 +141,15 @@ async def test_the_system_resolver_finds_localhost_and_no_records_for_an_unknown
 
 
 def _poll(url: str, check, deadline_s: float) -> httpx.Response:
-    deadline = time.monotonic() + deadline_s
-    last: object = None
-    while time.monotonic() < deadline:
+    def answer() -> httpx.Response | None:
         try:
             resp = httpx.get(url, timeout=2.0)
-            if check(resp):
-                return resp
-            last = resp.text
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"{url}: no expected answer within {deadline_s} s (last: {last})")
+        except httpx.HTTPError:
+            return None
+        return resp if check(resp) else None
+
+    return wait_for_sync(answer, f"the expected answer from {url}", within_s=deadline_s,
+                         every_s=0.1)
 
 
 def test_dpserve_router_discovers_a_replica_by_resolving_localhost(tmp_path):

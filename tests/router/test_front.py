@@ -17,6 +17,7 @@ import httpx
 
 from tests.conftest import running_router
 from tests.router.rawhttp import completion, exchange, parse_responses, read_all, request
+from tests.waiting import wait_for
 
 LIMITS = {"client_header_timeout_s": 1.0, "client_body_timeout_s": 1.0,
           "keep_alive_timeout_s": 1.0, "max_header_bytes": 4096}
@@ -132,14 +133,12 @@ async def test_connections_past_the_cap_get_503_at_once(fake_replicas):
                 writer.close()
         # Once they are gone, a new client is served again.
         async with httpx.AsyncClient() as client:
-            deadline = time.monotonic() + 5
-            while True:
+            async def served() -> bool:
                 resp = await client.post(f"{url}/v1/completions",
                                          json={"model": "fake-model", "prompt": "x"})
-                if resp.status_code == 200 or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
-        assert resp.status_code == 200
+                return resp.status_code == 200
+
+            await wait_for(served, "a new client to be served", within_s=5, every_s=0.05)
 
 
 async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(

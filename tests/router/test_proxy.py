@@ -12,6 +12,7 @@ from dpserve.router.pool import ReplicaState
 from tests.conftest import running_router
 from tests.fakes import MODEL
 from tests.replicas.test_launcher import closed_port_url
+from tests.waiting import wait_for
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
@@ -204,11 +205,8 @@ async def test_client_disconnect_closes_the_upstream_stream(fake_replicas):
                                 json={**BODY, "stream": True}) as r:
                 async for _ in r.aiter_lines():
                     break  # leave after the first line
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while (a.open_streams or router.pool.get("r0").in_flight) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert a.open_streams == 0
+        await wait_for(lambda: not (a.open_streams or router.pool.get("r0").in_flight),
+                       "the upstream stream to close and the slot to be released")
         assert a.closed_streams == 1
         assert router.pool.get("r0").in_flight == 0
         metrics = (await httpx.AsyncClient().get(base + "/metrics")).text

@@ -22,6 +22,7 @@ from dpserve.router.upstream import (
     Origin,
     UpstreamPool,
 )
+from tests.waiting import wait_for
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 2\r\n\r\n"
@@ -212,10 +213,8 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused():
         first = await send(pool, origin)
         await first.read()
         first.release()
-        deadline = asyncio.get_running_loop().time() + 5
-        while not all(c.closed for idle in pool._idle.values() for c in idle):
-            assert asyncio.get_running_loop().time() < deadline, "the close was not noticed"
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: all(c.closed for idle in pool._idle.values() for c in idle),
+                       "the server's close to be noticed")
         second = await send(pool, origin)
         assert (second.status, await second.read()) == (200, b"{}")
         second.release()
