@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from loadtest.fakes import start_app
+
 JSON_TYPE = "application/json"
 SSE_TYPE = "text/event-stream"
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -210,10 +212,8 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM or SIGINT."""
     app = build_app(bodies, chunk_delay_s=chunk_delay_s, stamp=stamp)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
+    runner, _ = await start_app(app, host, port)
     try:
-        await web.TCPSite(runner, host, port).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -60,6 +60,22 @@ DEFAULT_MODEL = "fake-model"
 _DEFAULT_TOKENS = 16
 
 
+async def start_app(app: web.Application, host: str = "127.0.0.1",
+                    port: int = 0) -> tuple[web.AppRunner, int]:
+    """Serve `app` in the running event loop: its runner (`cleanup()` stops it) and the
+    port it bound (`port` 0: any free one). The one server set-up of the in-process
+    fakes (this one, tests/fakes.py, benchmarks/fixed_upstream.py): no access log, no
+    signal handlers, and a short shutdown so a hanging answer cannot hold up a stop."""
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
 @dataclass(kw_only=True)
 class Script:
     ttft_s: float = 0.0
@@ -100,13 +116,7 @@ class FakeOpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/timings", self._timings)
         app.router.add_post("/timings/reset", self._reset)
-        # A short shutdown: a hanging answer must not hold up stop().
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1,
-                                     access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await start_app(app, self.host, self.port)
         return self
 
     async def stop(self) -> None:

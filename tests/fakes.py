@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from multidict import CIMultiDict
 
+from loadtest.fakes import start_app
+
 MODEL = "fake-model"
 
 
@@ -95,12 +97,7 @@ class FakeReplica:
         for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
             app.router.add_post(path, self._generate)
         self._add_dev_endpoints(app)
-        # Short shutdown: a "hang" handler must not hold the test for a minute.
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await start_app(app)
         return self
 
     async def stop(self) -> None:

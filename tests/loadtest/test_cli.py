@@ -44,7 +44,8 @@ def test_a_run_prints_a_summary_and_writes_results_and_a_plot(
     assert m["peak_concurrency"] == 4
     assert set(m["ttft_ms"]) == {"count", "mean", "median", "std", "percentiles"}
     assert set(m["ttft_ms"]["percentiles"]) == {"p90", "p95", "p99"}
-    assert 20 <= m["ttft_ms"]["median"] < 25
+    # the scripted 20 ms, not the whole answer (20 + 7 x 2 ms): room for a busy machine
+    assert 20 <= m["ttft_ms"]["median"] < 34
     assert len(doc["requests"]) == 12 and doc["requests"][0]["output_tokens"] == 8
     assert (tmp_path / "out" / "run-latency-cdf.png").read_bytes().startswith(PNG)
 
