@@ -174,8 +174,9 @@ class RouterConfig:
     """Request bodies held in memory at once, over all requests (the parsed JSON costs a
     few times more); a request that would pass it gets 503 with Retry-After."""
     max_response_bytes: int = 128 * 1024 * 1024
-    """Largest non-streamed response read from a replica; a larger one is answered 502
-    (streams are relayed chunk by chunk and have no such limit)."""
+    """Largest non-streamed response read from a replica; a larger one is answered 502.
+    Streams are relayed event by event with no total limit; one event larger than this
+    ends the stream with an error event."""
     checkpoint_root: str | None = None
     """Directory every deployed checkpoint must lie in (symbolic links resolved).
     Default: the parent directory of the served model."""

@@ -52,7 +52,7 @@ class FakeReplica:
     name: str
     mode: str = "ok"
     """ok | error400 | error500 | error503 | drop (close before answering)
-    | cut (stream 2 chunks then close)
+    | cut (stream 2 chunks and half of a third, then close: a replica killed mid-event)
     | hang (answer nothing; streams hang after their first chunk)"""
     chunks: int = 4
     chunk_delay_s: float = 0.0
@@ -230,12 +230,13 @@ class FakeReplica:
             for i in range(self.chunks):
                 if self.mode == "hang" and i == 1:
                     await asyncio.sleep(3600)
-                if self.mode == "cut" and i == 2:
-                    assert request.transport is not None
-                    request.transport.close()
-                    return resp
                 await self._unpaused.wait()
                 chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
+                if self.mode == "cut" and i == 2:
+                    assert request.transport is not None
+                    await resp.write(f"data: {json.dumps(chunk)}"[:20].encode())
+                    request.transport.close()
+                    return resp
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)

@@ -18,7 +18,8 @@ Order of events for one request:
    a short backoff (bounded attempts): the client has seen nothing, so a retry
    is invisible;
 4. pass the response through: whole for JSON, chunk by chunk for streams.
-   A stream that breaks after it started ends with an SSE error event, never a hang;
+   A stream that breaks after it started ends with an SSE error event, never a hang,
+   after whole events only (`dpserve.router.sse`);
 5. if the client disconnects at any point, the upstream request is closed, so
    vLLM aborts the generation instead of computing it for nobody.
 """
@@ -51,6 +52,7 @@ from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
+from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
@@ -304,19 +306,24 @@ class ProxyEndpoint:
         replied = ex.replied
         self._first_byte.observe(time.perf_counter() - ex.start)
         await replied.start(resp.status, headers)
+        events = EventFramer(self._config.max_response_bytes)
         chunk = first
         try:
             while chunk:
-                await replied.body(chunk, more=True)
+                if whole := events.feed(chunk):
+                    await replied.body(whole, more=True)
                 async with asyncio.timeout(idle):
                     chunk = await reader.readany()
-        except (*_UNREACHABLE, TimeoutError) as exc:
-            slot.outcome = classify(None, exc)
+        except (*_UNREACHABLE, TimeoutError, EventTooLarge) as exc:
+            # What the client has is whole events; the unfinished one is dropped.
+            slot.outcome = (Outcome.SERVER_ERROR if isinstance(exc, EventTooLarge)
+                            else classify(None, exc))
             reason = (f"no data for {idle:g} s" if isinstance(exc, TimeoutError)
+                      else str(exc) if isinstance(exc, EventTooLarge)
                       else "the replica closed the stream early")
             log.warning("stream from replica %s cut: %s", replica.id, reason)
             self._metrics.stream_errors.labels(self.route, replica.id).inc()
             await replied.body(sse_error_event(502, f"stream interrupted: {reason}"), more=False)
             return resp.status
-        await replied.body(b"", more=False)
+        await replied.body(events.rest(), more=False)
         return resp.status

@@ -114,7 +114,12 @@ class UnreadStream:
     A raw socket with a small receive buffer: once it and the kernel's send buffer
     are full (a few MB on loopback), the router's writes to it wait, and the request
     stays in flight on its replica for as long as the test needs. Its reply must be
-    larger than those buffers (`n` choices with logprobs make it ~10 MB).
+    larger than every buffer between the engine and this socket together, or a killed
+    engine's reply could still arrive whole: the engine's send buffer and the router's
+    (net.ipv4.tcp_wmem, 4 MB at most here) and the router's receive buffer, which
+    autotunes up to net.ipv4.tcp_rmem's 32 MB. `n` choices of the model's whole
+    context with 20 logprobs each make it about 60 MB (8 choices with 10, ~10 MB, were
+    seen to arrive whole).
     """
 
     def __init__(self, base_url: str, body: dict) -> None:
@@ -354,8 +359,8 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     # however fast the engine generates.
     admin.post("/admin/replicas/r0/drain")
     held = UnreadStream(base, {
-        "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8, "n": 8,
-        "logprobs": 10, "ignore_eos": True, "stream": True})
+        "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8, "n": 24,
+        "logprobs": 20, "ignore_eos": True, "stream": True})
     wait_for_sync(lambda: f.replicas()[1]["in_flight"] == 1, "the held stream to start on r1",
                   within_s=30)
     admin.post("/admin/replicas/r0/undrain")
