@@ -69,7 +69,13 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, limits: FrontLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._limits = limits
+        # One deadline per connection (the head's, the body's, the linger's), watched by
+        # at most one timer: moving the deadline later re-arms nothing, the timer re-checks
+        # when it fires. A request costs no timer of its own.
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._deadline = 0.0
+        self._on_deadline: Callable[[], None] | None = None
         self._in_head = False
         self._head_bytes = 0
         self._in_body = False
@@ -89,6 +95,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -160,16 +169,31 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm(self._limits.header_timeout_s, self._head_timed_out)
 
     def _arm(self, after_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(after_s, callback)
+        """Call `callback` in `after_s` unless disarmed or re-armed first."""
+        self._deadline = self.loop.time() + after_s
+        self._on_deadline = callback
+        if self._timer is None or self._timer_at > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(self._deadline, self._deadline_reached)
+            self._timer_at = self._deadline
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._on_deadline = None  # a pending timer finds nothing due
+
+    def _deadline_reached(self) -> None:
+        self._timer = None
+        callback = self._on_deadline
+        if callback is None:
+            return
+        if self.loop.time() + 0.001 < self._deadline:  # moved later since the timer was set
+            self._timer = self.loop.call_at(self._deadline, self._deadline_reached)
+            self._timer_at = self._deadline
+            return
+        self._on_deadline = None
+        callback()
 
     def _head_timed_out(self) -> None:
-        self._timer = None
         if self._head_bytes == 0:  # opened and never used: nothing to answer
             self._report("header_timeout")
             self.transport.close()
@@ -178,7 +202,6 @@ class GuardedProtocol(HttpToolsProtocol):
                           f"{self._limits.header_timeout_s:g} s", "header_timeout")
 
     def _body_timed_out(self) -> None:
-        self._timer = None
         now = self.loop.time()
         if self.flow.read_paused:  # the router stopped reading, not the client
             self._body_seen_at = now
@@ -224,7 +247,7 @@ class GuardedProtocol(HttpToolsProtocol):
             return False
         transport.write_eof()
         self._lingering = True
-        self._timer = self.loop.call_later(LINGER_S, transport.close)
+        self._arm(LINGER_S, transport.close)
         return True
 
     def _report(self, reason: str) -> None:
