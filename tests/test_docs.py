@@ -1,6 +1,7 @@
 """Every `dpserve` and `python -m loadtest` command the docs show is one the programs
 accept: each is parsed by the real argument parser (flags, choices, required
-arguments), so a renamed or removed flag fails here, not on a reader's terminal."""
+arguments), so a renamed or removed flag fails here, not on a reader's terminal; and
+each command is run for real by a test named in `RUN_BY`."""
 
 from __future__ import annotations
 
@@ -85,3 +86,33 @@ def test_a_command_in_the_docs_parses(doc, program, argv):
         parser.parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{doc}: `{program} {' '.join(argv)}` does not parse (exit {exc.code})")
+
+
+RUN_BY = {
+    ("dpserve", "serve"): "tests/integration/conftest.py::start_deployment",
+    ("dpserve", "router"): "tests/router/test_discovery.py::"
+                           "test_dpserve_router_discovers_a_replica_by_resolving_localhost",
+    ("dpserve", "finetune"): "tests/finetune/test_train.py::"
+                             "test_sigterm_saves_at_the_next_step_and_exits_cleanly",
+    ("dpserve", "deploy"): "tests/integration/test_deploy.py::"
+                           "test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
+    ("dpserve", "status"): "tests/rollout/test_client.py::"
+                           "test_deploy_prints_each_replica_and_exits_0",
+    ("dpserve", "demo"): "tests/integration/test_demo.py::"
+                         "test_the_demo_fine_tunes_and_deploys_right_answers_without_failing_a_request",
+    ("python -m loadtest", "run"): "tests/loadtest/test_cli.py::"
+                                   "test_a_run_prints_a_summary_and_writes_results_and_a_plot",
+    ("python -m loadtest", "sweep"): "tests/loadtest/test_cli.py::"
+                                     "test_a_sweep_writes_one_point_per_rate_and_a_sweep_plot",
+}
+"""For each command the docs show, the test that runs it for real (a process or the
+command's own function), beyond parsing it."""
+
+
+def test_every_command_the_docs_show_is_run_by_a_named_test():
+    shown = {(program, argv[0]) for _, program, argv in FOUND if argv}
+    assert not shown - set(RUN_BY), f"commands in the docs that no test runs: {shown - set(RUN_BY)}"
+    for where in RUN_BY.values():
+        path, name = where.split("::")
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert re.search(rf"^(async )?def {name}\(", source, re.M), f"{where} does not exist"
