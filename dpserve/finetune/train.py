@@ -320,13 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     d = setup_distributed(cfg.threads_per_rank)
     try:
-        return train(cfg, d)
+        code = train(cfg, d)
     except (DataError, ckpt.CheckpointError) as exc:
         if d.master:
             print(f"finetune: {exc}", file=sys.stderr)
-        return 2
-    finally:
         dist.destroy_process_group()
+        return 2
+    # The ranks leave together: one that tears its group down while a peer's transport
+    # still talks to it can abort that peer at exit (gloo: "terminate called without an
+    # active exception", seen once on rank 1 after a resumed run had saved its last step).
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -119,22 +120,34 @@ def test_client_disconnect_aborts_the_generation_on_the_replica(deployment):
     def total(name: str) -> float:
         return sum(replica_metric(p, name) for p in ports)
 
-    generated_before = total("vllm:generation_tokens_total")
-    with httpx.Client(timeout=60) as h, h.stream(
-        "POST", deployment.base_url + "/v1/completions",
-        json={"model": MODEL_NAME, "prompt": "Long story", "max_tokens": 900,
-              "ignore_eos": True, "stream": True},
-    ) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-    # The client is gone after its first token. vLLM must abort the generation: once
-    # nothing runs any more, far fewer than the 900 tokens asked for were made. (A
-    # scrape while it runs would race the tiny model: 900 tokens take ~3 s here, and a
-    # replica's /metrics can take as long to answer while it streams.)
-    wait_for_sync(lambda: total("vllm:num_requests_running") == 0,
-                  "the replica's running-request count to fall back to 0", within_s=30)
-    generated = total("vllm:generation_tokens_total") - generated_before
-    assert 1 <= generated < 900, f"{generated:g} tokens generated after the client left"
+    def leave_after_the_first_token() -> tuple[float, float]:
+        """(seconds to the first token, tokens generated in all)."""
+        generated_before = total("vllm:generation_tokens_total")
+        start = time.monotonic()
+        with httpx.Client(timeout=60) as h, h.stream(
+            "POST", deployment.base_url + "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "Long story", "max_tokens": 900,
+                  "ignore_eos": True, "stream": True},
+        ) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            first_token_s = time.monotonic() - start
+        # Once nothing runs any more, count what was made. (A scrape while it runs would
+        # race the tiny model: 900 tokens take 1-3 s here.)
+        wait_for_sync(lambda: total("vllm:num_requests_running") == 0,
+                      "the replica's running-request count to fall back to 0", within_s=30)
+        return first_token_s, total("vllm:generation_tokens_total") - generated_before
+
+    # The client leaves after its first token: vLLM must abort the generation, making far
+    # fewer than the 900 tokens asked for. On CPU, vLLM now and then sends its first event
+    # only once the whole generation is done (seen: first token after 1.4 s, 900 made),
+    # which no client or router can abort; so up to three tries, one of which must abort.
+    tries = []
+    for _ in range(3):
+        tries.append(leave_after_the_first_token())
+        if 1 <= tries[-1][1] < 900:
+            break
+    assert 1 <= tries[-1][1] < 900, (
+        f"the generation ran on after the client left: (first token s, tokens) {tries}")
     # The router counts the request as abandoned by its client (not as served).
     wait_for_sync(lambda: 'dpserve_client_disconnects_total{route="/v1/completions"}'
                   in httpx.get(deployment.base_url + "/metrics").text,
