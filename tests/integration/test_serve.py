@@ -175,7 +175,7 @@ def test_loadtest_measures_the_deployment(deployment, tiny_model, tmp_path):
     assert code == 0
     assert (metrics["completed"], metrics["failed"]) == (8, 0)
     assert metrics["total_output_tokens"] == 8 * 32  # ignore_eos: every answer is full length
-    assert 0 < metrics["ttft_ms"]["median"] < metrics["e2el_ms"]["median"]
+    assert 0 < metrics["ttft_ms"]["median"] <= metrics["e2el_ms"]["median"]
     # Every answer has a TPOT. Its size is not asserted: on two busy cores vLLM and the
     # router now and then deliver a whole answer in one read (TPOT 0 for it; seen for most
     # of a run once); tests/loadtest checks the numbers against a server of known timing.
