@@ -52,13 +52,15 @@ def test_greedy_completions_agree_across_replicas(deployment):
 def test_streaming_chat_arrives_in_chunks_with_usage(deployment):
     stream = client(deployment).chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hello there"}],
-        max_tokens=12, stream=True, stream_options={"include_usage": True},
+        max_tokens=64, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     content = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
-    assert len(content) >= 2  # streamed, not one buffered blob
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    # Streamed, not one buffered blob. (vLLM merges the tokens its server has not sent
+    # yet into one delta: on two busy cores all of 12 once came as one; 64 leave room.)
+    assert len(content) >= 2
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 64
 
 
 def test_models_lists_the_served_model(deployment):
