@@ -312,6 +312,7 @@ class ProxyEndpoint:
             while chunk:
                 if whole := events.feed(chunk):
                     await replied.body(whole, more=True)
+                events.check()
                 async with asyncio.timeout(idle):
                     chunk = await reader.readany()
         except (*_UNREACHABLE, TimeoutError, EventTooLarge) as exc:

@@ -8,8 +8,9 @@ JSON, which the OpenAI clients raise on. `EventFramer` passes on only whole even
 rest arrives, so a stream the router has to end is always a run of whole events,
 then the router's error event, then `data: [DONE]`.
 
-What it holds is bounded: an event larger than `max_event_bytes` is refused
-(`EventTooLarge`), and the stream is ended as a broken one.
+What it holds is bounded: once the whole events before it are sent on, an
+unfinished event larger than `max_event_bytes` is refused (`check` raises
+`EventTooLarge`), and the stream is ended as a broken one.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ class EventFramer:
             return data
         end = whole_events_end(data)
         self._held = data[end:]
+        return data[:end]
+
+    def check(self) -> None:
+        """EventTooLarge if the unfinished event held is over the limit."""
         if len(self._held) > self._max:
             raise EventTooLarge(f"an event over {self._max} bytes")
-        return data[:end]
 
     def rest(self) -> bytes:
         """What is held when the stream ends cleanly: a last event without its blank

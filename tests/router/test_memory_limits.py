@@ -85,3 +85,52 @@ async def test_deeply_nested_json_is_a_400_without_a_traceback(fake_replicas, ca
     assert resp.json()["error"]["message"] == "request body is nested too deeply"
     assert "Traceback" not in caplog.text
     assert replica.reached() == []
+
+
+async def test_a_streamed_event_larger_than_the_cap_ends_the_stream_after_whole_events():
+    """The router holds an unfinished event (never half an event to the client); one that
+    grows past max_response_bytes without its end is not held further: the client gets
+    the whole events before it, the router's error event and [DONE], and the replica's
+    connection is closed."""
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"GET "):
+                    payload = b'{"object": "list", "data": [{"id": "fake-model"}]}'
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for piece in (b'data: {"n": 1}\n\n', b'data: {"n": 2, "text": "' + b"y" * 4096):
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+                await reader.read()  # hold the stream open until the router closes it
+                closed.set()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            closed.set()
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    upstream = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    body = json.dumps({"model": "fake-model", "prompt": "x", "stream": True}).encode()
+    try:
+        async with running_router([upstream], max_response_bytes=2048) as (url, _):
+            raw, _ = await exchange(port_of(url), request("POST", "/v1/completions", body=body),
+                                    quiet_s=2.0)
+            await asyncio.wait_for(closed.wait(), 10)
+    finally:
+        server.close()
+    (resp,) = parse_responses(raw)
+    assert resp.status == 200
+    events = [e for e in resp.body.decode().split("\n\n") if e]
+    assert events[0] == 'data: {"n": 1}'
+    assert "over 2048 bytes" in json.loads(events[1].removeprefix("data: "))["error"]["message"]
+    assert events[2:] == ["data: [DONE]"]

@@ -49,11 +49,14 @@ def test_a_clean_end_passes_on_a_last_event_without_its_blank_line():
     assert framer.rest() == b"data: [DONE]"
 
 
-def test_an_event_larger_than_the_limit_is_refused():
+def test_an_event_larger_than_the_limit_is_refused_after_the_whole_ones_before_it():
     framer = EventFramer(max_event_bytes=16)
     assert framer.feed(b"data: 1\n\ndata: 0123456") == b"data: 1\n\n"
+    framer.check()
+    assert framer.feed(b"789abcdef\n\ndata: 0123456789abcdef") == (
+        b"data: 0123456789abcdef\n\n")  # the whole event goes on before the refusal
     with pytest.raises(EventTooLarge):
-        framer.feed(b"789abcdef")
+        framer.check()
 
 
 @pytest.mark.parametrize(("data", "end"), [
