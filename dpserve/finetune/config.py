@@ -81,10 +81,33 @@ class FinetuneConfig:
     """Rendezvous id shared by the nodes of one job."""
     max_restarts: int = 0
     """Times the elastic agent restarts the workers after a failure (resuming)."""
+    strategy: str = "ddp"
+    """How ranks share the work: `ddp` (every rank holds weights, gradients and AdamW
+    state), `zero1` (DDP with the optimizer state sharded over ranks) or `fsdp` (FSDP2:
+    parameters, gradients and optimizer state sharded, ZeRO-3)."""
+    reshard_after_forward: bool = True
+    """fsdp: free each layer's gathered parameters after its forward (ZeRO-3); off keeps
+    them until the backward (ZeRO-2 behaviour: more memory, one all-gather less)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of storing them."""
+    bucket_cap_mb: float = 25.0
+    """ddp/zero1: gradient all-reduce bucket size in MiB (DDP's `bucket_cap_mb`)."""
+    lora_rank: int | None = None
+    """Train a LoRA adapter of this rank (peft) instead of every weight."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator (scale = alpha / rank); default 2 x rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated module names the adapter wraps (the attention and MLP projections)."""
+    merge_on_save: bool = False
+    """LoRA: also write the merged full weights as an ordinary checkpoint next to the adapter."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+
+STRATEGIES = ("ddp", "zero1", "fsdp")
 
 LAUNCH_ONLY = frozenset({"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
                          "max_restarts"})
@@ -114,6 +137,16 @@ def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--log-every", type=int)
     p.add_argument("--threads-per-rank", type=int)
+    p.add_argument("--strategy", help="ddp | zero1 | fsdp")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
+                   default=None)
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--bucket-cap-mb", type=float)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--lora-alpha", type=float)
+    p.add_argument("--lora-dropout", type=float)
+    p.add_argument("--lora-targets")
+    p.add_argument("--merge-on-save", action="store_true", default=None)
     p.add_argument("--config", help="YAML settings file")
     if launcher:
         p.add_argument("--nproc-per-node", type=int)
@@ -172,10 +205,27 @@ def _validate(c: FinetuneConfig) -> None:
         host, _, port = c.rdzv_endpoint.rpartition(":")
         _check(bool(host) and port.isdigit(), "rdzv_endpoint", "must be HOST:PORT",
                c.rdzv_endpoint)
+    _check(c.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}",
+           c.strategy)
+    _check(c.bucket_cap_mb > 0, "bucket_cap_mb", "must be > 0", c.bucket_cap_mb)
+    if c.lora_rank is not None:
+        _check(c.lora_rank >= 1, "lora_rank", "must be >= 1", c.lora_rank)
+    if c.lora_alpha is not None:
+        _check(c.lora_alpha > 0, "lora_alpha", "must be > 0", c.lora_alpha)
+    _check(0 <= c.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", c.lora_dropout)
+    _check(bool(lora_targets(c)), "lora_targets", "must name at least one module",
+           c.lora_targets)
+    _check(not c.merge_on_save or c.lora_rank is not None, "merge_on_save",
+           "needs --lora-rank (full fine-tunes are saved merged already)", c.merge_on_save)
     for name in ("data", "eval_data"):
         value = getattr(c, name)
         if value is not None:
             _check(Path(value).is_file(), name, "no such file", value)
+
+
+def lora_targets(cfg: FinetuneConfig) -> list[str]:
+    """`lora_targets` as a list of module names."""
+    return [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
 
 
 def training_argv(cfg: FinetuneConfig) -> list[str]:
@@ -184,8 +234,11 @@ def training_argv(cfg: FinetuneConfig) -> list[str]:
     argv: list[str] = []
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in LAUNCH_ONLY or value is None or value is False:
-            continue
         flag = "--" + f.name.replace("_", "-")
+        if f.name in LAUNCH_ONLY or value is None or (value is False and f.default is False):
+            continue
+        if value is False:  # a switch that defaults to on
+            argv.append("--no-" + flag[2:])
+            continue
         argv += [flag] if value is True else [flag, str(value)]
     return argv
