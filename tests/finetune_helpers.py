@@ -38,8 +38,11 @@ def finetune_argv(model: Path, data: Path, output: Path, *, nproc: int, **flags:
             str(data), "--output", str(output), "--nproc-per-node", str(nproc),
             "--threads-per-rank", "1", "--lr", "1e-3", "--warmup-steps", "1", "--seed", "3"]
     for key, value in flags.items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
     return argv
 
 

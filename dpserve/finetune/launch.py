@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dpserve import checkpoint as ckpt
 from dpserve.config import ConfigError
-from dpserve.finetune.config import FinetuneConfig, training_argv
+from dpserve.finetune.config import FinetuneConfig, lora_targets, training_argv
 from dpserve.replicas.launcher import visible_gpus
 
 DEFAULT_CPU_PROCS = 2
@@ -44,9 +44,18 @@ def preflight(cfg: FinetuneConfig) -> None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except (OSError, ValueError) as exc:
         raise PreflightError(f"model: cannot load the tokenizer of {cfg.model}: {exc}") from None
+    if cfg.lora_rank is not None:
+        from dpserve.finetune.lora import LoraError, check_targets
+
+        try:
+            check_targets(cfg.model, lora_targets(cfg))
+        except LoraError as exc:
+            raise PreflightError(str(exc)) from None
     for path in filter(None, (cfg.data, cfg.eval_data)):
         load_dataset(Path(path), tokenizer, max_seq_len=cfg.max_seq_len)  # raises DataError
     _check_output(Path(cfg.output), resume=cfg.resume)
+    if cfg.resume:
+        _check_resumable(cfg)
 
 
 def _check_output(output: Path, *, resume: bool) -> None:
@@ -61,6 +70,24 @@ def _check_output(output: Path, *, resume: bool) -> None:
         raise PreflightError(
             f"output: {output} already holds checkpoints ({existing[-1][1].name} is the "
             "newest); pass --resume to continue from it, or choose a new --output")
+
+
+def _check_resumable(cfg: FinetuneConfig) -> None:
+    """A resume continues the run's own kind of training state: the same strategy (an
+    fsdp state is sharded per rank, a ddp one is whole) and LoRA or not."""
+    latest = ckpt.latest_checkpoint(Path(cfg.output), with_train_state=True)
+    if latest is None:
+        return
+    extra = ckpt.read_meta(latest).extra
+    saved = str(extra.get("strategy", "ddp"))
+    if saved != cfg.strategy:
+        raise PreflightError(f"strategy: {latest} was trained with --strategy {saved}; "
+                             f"resume it with --strategy {saved}, or choose a new --output")
+    was_lora = extra.get("kind") == "lora"
+    if was_lora != (cfg.lora_rank is not None):
+        what = "a LoRA adapter" if was_lora else "every weight"
+        raise PreflightError(f"lora_rank: {latest} trained {what}; resume it the same way "
+                             "(with or without --lora-rank), or choose a new --output")
 
 
 def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:

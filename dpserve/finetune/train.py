@@ -1,9 +1,10 @@
-"""The DDP training loop; run one process per GPU (or CPU slice) under torchrun.
+"""The data-parallel training loop; run one process per GPU (or CPU slice) under torchrun.
 
     torchrun --nproc-per-node 2 -m dpserve.finetune.train --model M --data D --output O
 
-`dpserve finetune` launches exactly this through torch's elastic launcher.
-Each rank holds the full model; DistributedDataParallel all-reduces gradients.
+`dpserve finetune` launches exactly this through torch's elastic launcher. How the
+ranks share the model (`--strategy ddp|zero1|fsdp`, LoRA or every weight) lives in
+`strategy.py`; this loop is the same for all of them.
 
 Loss normalisation: the loss of a step is the sum of token losses over every
 micro-batch of every rank divided by the number of loss tokens in the whole
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -41,6 +41,7 @@ from dpserve.finetune.data import DataError, ExampleDataset, collate, load_datas
 from dpserve.finetune.dist import Dist, setup_distributed
 from dpserve.finetune.progress import LossLog, Progress
 from dpserve.finetune.state import load_train_state, save
+from dpserve.finetune.strategy import Parallel, wrap
 
 
 def lr_at(step: int, cfg: FinetuneConfig, max_steps: int) -> float:
@@ -126,19 +127,6 @@ class _Data:
     max_steps: int
 
 
-@dataclass
-class _Trainee:
-    """The model being trained, its optimizer state, and where a resume picked up."""
-
-    model: torch.nn.Module
-    ddp: DDP
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    start_step: int
-    resumed_from: Path | None
-    base_dtype: torch.dtype
-
-
 def train(cfg: FinetuneConfig, d: Dist) -> int:
     """Set up, then step until `max_steps` (or a stop), saving as configured; read it
     top to bottom: data, model, the loop (step, log, evaluate, save)."""
@@ -151,8 +139,10 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     data = _load_data(cfg, d, tokenizer)
     t = _build_trainee(cfg, d, output, data.max_steps)
+    # fsdp casts with its own mixed-precision policy; autocast would cast twice.
     autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16)
-                if d.device.type == "cuda" else contextlib.nullcontext)
+                if d.device.type == "cuda" and cfg.strategy != "fsdp"
+                else contextlib.nullcontext)
     consumed = t.start_step * cfg.grad_accum
     stream = micro_batches(data.loader, data.sampler, consumed // data.batches_per_epoch,
                            consumed % data.batches_per_epoch)
@@ -176,30 +166,32 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         step += 1
         run_steps += 1
         lr = float(t.scheduler.get_last_lr()[0])
+        seconds = time.perf_counter() - t0
+        blocked, _ = t.par.comm.take()
         progress.update(step, last_loss, lr, tokens=n_tokens, samples=global_batch,
-                        seconds=time.perf_counter() - t0, every=cfg.log_every)
+                        seconds=seconds, comm=blocked, every=cfg.log_every)
 
         eval_loss = None
         if data.eval_loader is not None and (step % cfg.eval_every == 0
                                              or step == data.max_steps):
-            eval_loss = evaluate(t.ddp, data.eval_loader, d, autocast)
+            eval_loss = evaluate(t.par.forward, data.eval_loader, d, autocast)
             progress.note(f"step {step}: eval loss {eval_loss:.4f}")
         if log is not None:
-            log.append(step, last_loss, lr, eval_loss)
+            log.append(step, last_loss, lr, eval_loss, seconds, blocked)
 
         stopping = stop.agreed(d, also=cfg.stop_after_steps is not None
                                and run_steps >= cfg.stop_after_steps)
         periodic = cfg.save_every > 0 and step % cfg.save_every == 0
         if periodic or stopping or step == data.max_steps:
-            save(cfg, d, output, step, epoch, t.model, t.optimizer, t.scheduler, last_loss,
-                  t.base_dtype, tokenizer)
+            save(cfg, d, output, step, epoch, t.par, t.scheduler, last_loss, t.base_dtype,
+                 tokenizer)
             last_saved = step
         if stopping:
             progress.note(f"stopping at step {step} (checkpoint saved); continue with --resume")
             break
     if last_saved != step:  # nothing new was trained (resumed at the end)
         progress.note(f"nothing to train: already at step {step} of {data.max_steps}")
-    progress.close()
+    progress.close(comm_itemised=t.par.comm_itemised)
     if log is not None:
         log.plot(output / "loss.png")
     return 0
@@ -238,55 +230,75 @@ def _load_data(cfg: FinetuneConfig, d: Dist, tokenizer: Any) -> _Data:
                  steps_per_epoch, max_steps)
 
 
+@dataclass
+class _Trainee:
+    """The model being trained, sharded or replicated, its schedule, and where a resume
+    picked up."""
+
+    par: Parallel
+    scheduler: Any
+    start_step: int
+    resumed_from: Path | None
+    base_dtype: torch.dtype
+
+
 def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -> _Trainee:
-    """The model (from the newest checkpoint when resuming) wrapped in DDP, AdamW and the
-    schedule, with their state restored when resuming."""
+    """The model (from the newest checkpoint when resuming) under its strategy, AdamW and
+    the schedule, with their state restored when resuming."""
     from transformers import AutoModelForCausalLM
 
     resumed_from = None
     # After a failure the elastic agent restarts the workers: they continue, not restart.
     if cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resumed_from = ckpt.latest_checkpoint(output, with_train_state=True)
-    model_source = str(resumed_from) if resumed_from is not None else cfg.model
-    # fp32 master weights; bf16 autocast on GPU for the matmuls.
+    # ddp/zero1 full fine-tunes resume from the served weights (plus fp32 masters when
+    # those are lossy); fsdp restores its fp32 shards and LoRA its adapter over the base.
+    full_weights_saved = cfg.strategy != "fsdp" and cfg.lora_rank is None
+    model_source = (str(resumed_from) if resumed_from is not None and full_weights_saved
+                    else cfg.model)
+    # fp32 master weights; bf16 autocast (or FSDP's bf16 policy) on GPU for the matmuls.
     model = AutoModelForCausalLM.from_pretrained(model_source, dtype=torch.float32)
     torch.nn.Module.to(model, d.device)  # in place (transformers types its `to` too narrowly)
-    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)
+    if cfg.lora_rank is not None:
+        from dpserve.finetune import lora
+
+        model = lora.apply_lora(model, cfg)
+        if resumed_from is not None:
+            lora.load_adapter_weights(model, resumed_from)
+    par = wrap(model, cfg, d)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_at(s, cfg, max_steps))
+        par.optimizer, lambda s: lr_at(s, cfg, max_steps))
     start_step = 0
     if resumed_from is not None:
-        start_step = load_train_state(output, resumed_from, cfg.model, model, optimizer,
-                                       scheduler, d)
-    return _Trainee(model, ddp, optimizer, scheduler, start_step, resumed_from,
-                    _config_dtype(cfg.model))
+        start_step = load_train_state(output, resumed_from, cfg, par, scheduler, d)
+    return _Trainee(par, scheduler, start_step, resumed_from, _config_dtype(cfg.model))
 
 
 def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch.Tensor]],
           autocast: Any) -> tuple[float, float]:
     """One optimizer step over the micro-batches; (mean loss per loss token, tokens)."""
+    par = t.par
     # Loss tokens in the whole step, over all ranks: the normaliser (a sync point).
     counts = torch.tensor([sum(loss_tokens(b) for b in micro),
                            sum(int(b["attention_mask"].sum()) for b in micro)],
                           dtype=torch.float64, device=d.device)
-    dist.all_reduce(counts)
+    with par.comm.blocking():
+        dist.all_reduce(counts)
     n_loss_tokens, n_tokens = counts.tolist()
     step_loss = torch.zeros((), dtype=torch.float64, device=d.device)
     for i, batch in enumerate(micro):
-        # DDP averages gradients over ranks; scaling by world_size makes that a sum.
-        sync = contextlib.nullcontext() if i == len(micro) - 1 else t.ddp.no_sync()
-        with sync, autocast():
-            loss_sum = token_loss_sum(t.ddp, batch)
-        (loss_sum * d.world_size / max(n_loss_tokens, 1)).backward()
+        # Every strategy averages gradients over ranks; scaling by world_size makes that
+        # a sum, normalised by the step's loss tokens.
+        with par.accumulating(last=i == len(micro) - 1), autocast():
+            loss_sum = token_loss_sum(par.forward, batch)
+            (loss_sum * d.world_size / max(n_loss_tokens, 1)).backward()
         step_loss += loss_sum.detach().double()
     if cfg.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.max_grad_norm)
-    t.optimizer.step()
+        par.clip_grad_norm(cfg.max_grad_norm)
+    par.step()
     t.scheduler.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(step_loss)
+    with par.comm.blocking():
+        dist.all_reduce(step_loss)
     return float(step_loss) / max(n_loss_tokens, 1), n_tokens
 
 

@@ -122,7 +122,7 @@ def test_a_checkpoint_is_complete_servable_and_described(tiny_model, world_2_bat
     assert not any(".tmp-" in p.name for p in output.iterdir())  # no half-written leftovers
     assert (output / "loss.png").stat().st_size > 1000
     rows = (output / "loss.csv").read_text().splitlines()
-    assert rows[0] == "step,loss,lr,eval_loss" and len(rows) == STEPS + 1
+    assert rows[0] == "step,loss,lr,eval_loss,step_s,comm_s" and len(rows) == STEPS + 1
 
 
 def test_progress_shows_the_global_batch_and_each_step(tiny_model, train_data, tmp_path):
