@@ -201,6 +201,8 @@ def _add_build_tiny_model(sub: Subparsers) -> None:
     build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
     build.add_argument("--output", default="build/tiny-llama", help="directory to build into")
     build.add_argument("--force", action="store_true", help="rebuild even if present")
+    build.add_argument("--size", choices=("tiny", "150m"), default="tiny",
+                       help="tiny (0.6M parameters, the tests' model) or 150m (benchmarks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,7 +271,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "build-tiny-model":
         from dpserve.tinymodel import build_tiny_model
 
-        print(build_tiny_model(Path(ns.output), force=ns.force))
+        print(build_tiny_model(Path(ns.output), force=ns.force, size=ns.size))
         return 0
     if ns.command == "demo":
         from dpserve.demo import DemoOptions, run_demo

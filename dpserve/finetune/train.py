@@ -307,10 +307,23 @@ def _announce(cfg: FinetuneConfig, d: Dist, data: _Data, t: _Trainee, global_bat
     stats = data.stats
     print(f"finetune: {len(data.dataset)} examples ({stats.loss_tokens} loss tokens, "
           f"{stats.skipped_empty} skipped, {stats.truncated} truncated); world size "
-          f"{d.world_size} on {d.device.type}; global batch {global_batch} = micro-batch "
-          f"{cfg.micro_batch_size} x world {d.world_size} x accumulation {cfg.grad_accum}; "
+          f"{d.world_size} on {d.device.type}, {_describe(cfg)}; global batch {global_batch}"
+          f" = micro-batch {cfg.micro_batch_size} x world {d.world_size} x accumulation "
+          f"{cfg.grad_accum}; "
           f"{data.steps_per_epoch} steps/epoch; steps {t.start_step}->{data.max_steps}"
           + (f" (resumed from {t.resumed_from.name})" if t.resumed_from else ""), flush=True)
+
+
+def _describe(cfg: FinetuneConfig) -> str:
+    """The strategy in a few words: "fsdp (ZeRO-3), activation checkpointing"."""
+    what = {"ddp": "ddp", "zero1": "zero1 (optimizer state sharded)",
+            "fsdp": "fsdp (ZeRO-3)" if cfg.reshard_after_forward else "fsdp (ZeRO-2)"}
+    words = [what[cfg.strategy]]
+    if cfg.lora_rank is not None:
+        words.append(f"LoRA rank {cfg.lora_rank} on {cfg.lora_targets}")
+    if cfg.activation_checkpointing:
+        words.append("activation checkpointing")
+    return ", ".join(words)
 
 
 def _config_dtype(model: str) -> torch.dtype:

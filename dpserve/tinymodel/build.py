@@ -71,17 +71,28 @@ MODEL_SHAPE: dict[str, Any] = {
     "max_position_embeddings": MAX_POSITIONS,
 }
 
+# Bigger builds of the same recipe (same tokenizer), for measurements that need a
+# model whose weights, not its activations, dominate memory: ~153M parameters.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": MODEL_SHAPE,
+    "150m": {**MODEL_SHAPE, "hidden_size": 1024, "intermediate_size": 2816,
+             "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16},
+}
 
-def build_tiny_model(output_dir: Path, *, force: bool = False) -> Path:
-    """Build the tiny model into ``output_dir`` and return its absolute path.
+
+def build_tiny_model(output_dir: Path, *, force: bool = False, size: str = "tiny") -> Path:
+    """Build the tiny model (or a bigger `SIZES` shape) into ``output_dir`` and return its
+    absolute path.
 
     Returns at once if ``output_dir`` already holds a build of this recipe,
     unless ``force``. An older recipe's build is replaced. A non-empty
     directory that is not a tiny-model build is never deleted without
     ``force`` (raises ``FileExistsError``): it may be someone's data.
     """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     output_dir = Path(output_dir).absolute()
-    if not force and is_built(output_dir):
+    if not force and is_built(output_dir, size=size):
         return output_dir
     if not force and _is_foreign(output_dir):
         raise FileExistsError(
@@ -91,11 +102,11 @@ def build_tiny_model(output_dir: Path, *, force: bool = False) -> Path:
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.building-", dir=output_dir.parent))
     try:
-        _write_model_files(staging)
-        (staging / MARKER_NAME).write_text(RECIPE_VERSION + "\n", encoding="utf-8")
+        _write_model_files(staging, SIZES[size])
+        (staging / MARKER_NAME).write_text(_marker(size) + "\n", encoding="utf-8")
         _publishable(staging)
         # A concurrent builder may have finished first; its files equal ours.
-        if not force and is_built(output_dir):
+        if not force and is_built(output_dir, size=size):
             return output_dir
         _replace_dir(staging, output_dir)
     finally:
@@ -103,13 +114,17 @@ def build_tiny_model(output_dir: Path, *, force: bool = False) -> Path:
     return output_dir
 
 
-def is_built(model_dir: Path) -> bool:
-    """True if ``model_dir`` holds a complete build of the current recipe."""
+def is_built(model_dir: Path, *, size: str = "tiny") -> bool:
+    """True if ``model_dir`` holds a complete build of the current recipe and size."""
     try:
         marker = (Path(model_dir) / MARKER_NAME).read_text(encoding="utf-8")
     except OSError:
         return False
-    return marker.strip() == RECIPE_VERSION
+    return marker.strip() == _marker(size)
+
+
+def _marker(size: str) -> str:
+    return RECIPE_VERSION if size == "tiny" else f"{RECIPE_VERSION} {size}"
 
 
 def _is_foreign(path: Path) -> bool:
@@ -159,10 +174,10 @@ def _publishable(root: Path) -> None:
         os.close(fd)
 
 
-def _write_model_files(out: Path) -> None:
+def _write_model_files(out: Path, shape: dict[str, Any]) -> None:
     tokenizer = _train_tokenizer(_read_corpus())
     _save_tokenizer(tokenizer, out)
-    _save_model(out, vocab_size=tokenizer.get_vocab_size())
+    _save_model(out, vocab_size=tokenizer.get_vocab_size(), shape=shape)
 
 
 def _read_corpus() -> str:
@@ -218,14 +233,14 @@ def _save_tokenizer(tokenizer: Any, out: Path) -> None:
     )
 
 
-def _save_model(out: Path, *, vocab_size: int) -> None:
+def _save_model(out: Path, *, vocab_size: int, shape: dict[str, Any]) -> None:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     # float32: vLLM's CPU backend runs it as is, and fp32 keeps logprobs
     # comparable across fine-tune and serving.
     config = LlamaConfig(
         vocab_size=vocab_size,
-        **MODEL_SHAPE,
+        **shape,
         bos_token_id=SPECIAL_TOKENS.index(BOS),
         eos_token_id=SPECIAL_TOKENS.index(EOS),
         pad_token_id=SPECIAL_TOKENS.index(PAD),
@@ -280,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", required=True, type=Path, help="directory to build into")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape")
     args = parser.parse_args(argv)
     try:
-        print(build_tiny_model(args.output, force=args.force))
+        print(build_tiny_model(args.output, force=args.force, size=args.size))
     except FileExistsError as exc:
         parser.error(str(exc))  # exits 2
     return 0
