@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import signal
@@ -39,6 +40,7 @@ from dpserve.config import ConfigError
 from dpserve.finetune.config import FinetuneConfig, add_arguments, build_finetune_config
 from dpserve.finetune.data import DataError, ExampleDataset, collate, load_dataset
 from dpserve.finetune.dist import Dist, setup_distributed
+from dpserve.finetune.memory import ActivationMeter, peak_rss_bytes, state_bytes
 from dpserve.finetune.progress import LossLog, Progress
 from dpserve.finetune.state import load_train_state, save
 from dpserve.finetune.strategy import Parallel, wrap
@@ -162,7 +164,9 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         for _ in range(cfg.grad_accum):
             epoch, batch = next(stream)
             micro.append({k: v.to(d.device) for k, v in batch.items()})
-        last_loss, n_tokens = _step(cfg, d, t, micro, autocast)
+        last_loss, n_tokens, held = _step(cfg, d, t, micro, autocast, measure=run_steps == 0)
+        if held is not None:
+            _report_memory(cfg, d, held, output)
         step += 1
         run_steps += 1
         lr = float(t.scheduler.get_last_lr()[0])
@@ -275,8 +279,12 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
 
 
 def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch.Tensor]],
-          autocast: Any) -> tuple[float, float]:
-    """One optimizer step over the micro-batches; (mean loss per loss token, tokens)."""
+          autocast: Any, *, measure: bool = False
+          ) -> tuple[float, float, dict[str, int] | None]:
+    """One optimizer step over the micro-batches; (mean loss per loss token, tokens, and
+    when `measure`, the bytes this rank held: state after the update, before gradients
+    are freed, and the first micro-batch's activations)."""
+    meter = ActivationMeter() if measure else None
     par = t.par
     # Loss tokens in the whole step, over all ranks: the normaliser (a sync point).
     counts = torch.tensor([sum(loss_tokens(b) for b in micro),
@@ -289,17 +297,42 @@ def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch
     for i, batch in enumerate(micro):
         # Every strategy averages gradients over ranks; scaling by world_size makes that
         # a sum, normalised by the step's loss tokens.
-        with par.accumulating(last=i == len(micro) - 1), autocast():
+        with (par.accumulating(last=i == len(micro) - 1),
+              meter if meter is not None and i == 0 else contextlib.nullcontext(), autocast()):
             loss_sum = token_loss_sum(par.forward, batch)
             (loss_sum * d.world_size / max(n_loss_tokens, 1)).backward()
         step_loss += loss_sum.detach().double()
     if cfg.max_grad_norm > 0:
         par.clip_grad_norm(cfg.max_grad_norm)
-    par.step()
+    par.optimizer.step()
+    held = None
+    if meter is not None:
+        held = {**state_bytes(par.model, par.optimizer), "activations": meter.peak_bytes,
+                "peak_rss": peak_rss_bytes()}
+    par.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     with par.comm.blocking():
         dist.all_reduce(step_loss)
-    return float(step_loss) / max(n_loss_tokens, 1), n_tokens
+    return float(step_loss) / max(n_loss_tokens, 1), n_tokens, held
+
+
+def _report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Path) -> None:
+    """What each rank held in the first step, measured. Rank 0 prints its own and writes
+    every rank's to OUTPUT/memory.json: the numbers `dpserve finetune --plan` estimates."""
+    ranks: list[Any] = [None] * d.world_size
+    dist.all_gather_object(ranks, mine)
+    if not d.master:
+        return
+    (output / "memory.json").write_text(json.dumps(
+        {"strategy": cfg.strategy, "world_size": d.world_size, "lora_rank": cfg.lora_rank,
+         "micro_batch_size": cfg.micro_batch_size, "max_seq_len": cfg.max_seq_len,
+         "activation_checkpointing": cfg.activation_checkpointing,
+         "reshard_after_forward": cfg.reshard_after_forward, "ranks": ranks}, indent=2) + "\n")
+    mib = {k: v / 2**20 for k, v in mine.items()}
+    print(f"memory on rank 0 after step 1: weights {mib['weights']:,.1f} MiB, gradients "
+          f"{mib['grads']:,.1f} MiB, optimizer {mib['optimizer']:,.1f} MiB, activations "
+          f"{mib['activations']:,.1f} MiB (first micro-batch); process peak "
+          f"{mib['peak_rss']:,.0f} MiB", flush=True)
 
 
 def _announce(cfg: FinetuneConfig, d: Dist, data: _Data, t: _Trainee, global_batch: int
