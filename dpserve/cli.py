@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_router, _add_deploy, _add_status, _add_finetune, _add_demo,
-                _add_config_reference, _add_build_tiny_model):
+    for add in (_add_serve, _add_router, _add_deploy, _add_status, _add_finetune,
+                _add_export_merged, _add_demo, _add_config_reference, _add_build_tiny_model):
         add(sub)
     return parser
 
@@ -197,6 +197,15 @@ def _add_config_reference(sub: Subparsers) -> None:
     mode.add_argument("--check", metavar="FILE", help="exit 1 if FILE's block is stale")
 
 
+def _add_export_merged(sub: Subparsers) -> None:
+    export = sub.add_parser(
+        "export-merged", help="fold a LoRA adapter checkpoint into full weights",
+        description="Write base + adapter as an ordinary checkpoint (OUTPUT/step-N) that "
+                    "`dpserve deploy` hot-loads.")
+    export.add_argument("adapter", metavar="ADAPTER_CKPT", help="e.g. runs/lora/step-000200")
+    export.add_argument("output", metavar="OUTPUT", help="directory receiving step-N/")
+
+
 def _add_build_tiny_model(sub: Subparsers) -> None:
     build = sub.add_parser("build-tiny-model", help="build the tiny test model offline")
     build.add_argument("--output", default="build/tiny-llama", help="directory to build into")
@@ -283,6 +292,17 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
             model_dir=Path(ns.model), replicas=ns.replicas, port=ns.port,
             run_dir=Path(ns.run_dir), steps=ns.steps, questions=ns.questions,
             load_duration_s=ns.load_duration_s))
+
+    if ns.command == "export-merged":
+        from dpserve.checkpoint import CheckpointError
+        from dpserve.finetune.lora import LoraError, export_merged
+
+        try:
+            print(export_merged(Path(ns.adapter), Path(ns.output)))
+        except (LoraError, CheckpointError, OSError) as exc:
+            print(f"dpserve export-merged: {exc}", file=sys.stderr)
+            return 2
+        return 0
 
     if ns.command == "finetune":
         from dpserve.finetune.config import build_finetune_config

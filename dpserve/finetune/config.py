@@ -101,7 +101,8 @@ class FinetuneConfig:
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     """Comma-separated module names the adapter wraps (the attention and MLP projections)."""
     merge_on_save: bool = False
-    """LoRA: also write the merged full weights as an ordinary checkpoint next to the adapter."""
+    """LoRA: also write merged full weights (base + adapter) as an ordinary checkpoint
+    into OUTPUT/merged/step-N at every save, ready for `dpserve deploy`."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import resource
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the storages behind `tensors`, each storage once."""
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:

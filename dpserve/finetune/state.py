@@ -36,6 +36,7 @@ from dpserve.finetune.strategy import Parallel, full_tensors, tensor_sizes
 from dpserve.finetune.weights import copy_tokenizer_files, plan_files, write_config, write_weights
 
 DCP_DIR = "dcp"
+MERGED_DIR = "merged"  # --merge-on-save: full-weight checkpoints of a LoRA run
 
 
 def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par: Parallel,
@@ -86,6 +87,12 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
                                      loss=loss, world_size=d.world_size, extra=extra)
         ckpt.prune_checkpoints(output, cfg.keep_last)
         print(f"checkpoint {path}", flush=True)
+        if lora and cfg.merge_on_save:
+            from dpserve.finetune import lora as lora_mod
+
+            merged = lora_mod.export_merged(path, output / MERGED_DIR)
+            ckpt.prune_checkpoints(output / MERGED_DIR, cfg.keep_last)
+            print(f"checkpoint {merged} (merged)", flush=True)
     elif par.strategy == "fsdp" and not lora:
         # The master's writer gathers each tensor: take part, write nothing.
         write_weights(output, files, full_tensors(par.model, master=False), base_dtype,

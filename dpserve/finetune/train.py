@@ -261,7 +261,8 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
     model_source = (str(resumed_from) if resumed_from is not None and full_weights_saved
                     else cfg.model)
     # fp32 master weights; bf16 autocast (or FSDP's bf16 policy) on GPU for the matmuls.
-    model = AutoModelForCausalLM.from_pretrained(model_source, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_source,
+                                                                  dtype=torch.float32)
     torch.nn.Module.to(model, d.device)  # in place (transformers types its `to` too narrowly)
     if cfg.lora_rank is not None:
         from dpserve.finetune import lora

@@ -269,6 +269,10 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
             meta = verify_checkpoint(ckpt_dir)
         except CheckpointError as exc:
             raise refused(422, str(exc)) from None
+    if meta.extra.get("kind") == "lora":
+        raise refused(422, f"{ckpt_dir}: is a LoRA adapter (kind lora), not full weights; "
+                           "write merged weights with `dpserve export-merged "
+                           f"{ckpt_dir} OUTPUT` and deploy those")
     candidate = fingerprint(ckpt_dir)
     found = differences(served, candidate)
     if found:

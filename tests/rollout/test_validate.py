@@ -138,3 +138,18 @@ def test_a_truncated_safetensors_header_is_refused(tiny_model, served, tmp_path)
         (d / "model.safetensors").write_bytes(struct.pack("<Q", 10**6) + b"{}")
     error = refusal(write_variant(tiny_model, tmp_path, 1, files=truncate), served)
     assert error.status == 422 and "not a safetensors file" in error.message
+
+
+def test_a_lora_adapter_checkpoint_is_refused_where_full_weights_are_needed(served, tmp_path):
+    from dpserve.checkpoint import write_checkpoint
+
+    def adapter(tmp: Path) -> None:
+        (tmp / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}\n')
+        (tmp / "adapter_model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+
+    ckpt_dir = write_checkpoint(tmp_path, 3, adapter, base_model="base", loss=None,
+                                world_size=1, extra={"kind": "lora", "lora_rank": 4})
+    error = refusal(ckpt_dir, served)
+    assert error.status == 422
+    assert "is a LoRA adapter (kind lora), not full weights" in error.message
+    assert "dpserve export-merged" in error.message

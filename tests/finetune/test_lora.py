@@ -1,0 +1,171 @@
+"""`dpserve finetune --lora-rank`: only the adapter trains, the same on any world size,
+and its checkpoint is what vLLM's LoRA loader and `dpserve export-merged` read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dpserve import checkpoint as ckpt
+from dpserve.finetune.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, export_merged
+from tests.finetune_helpers import finetune, trained, weights, write_train_data
+
+STEPS = 3
+RTOL = 1e-5
+LORA = {"lora_rank": 4, "lora_alpha": 8, "lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_train_data(tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the tiny model the tests may change."""
+    copy = tmp_path_factory.mktemp("base") / "tiny"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def adapter_world_2(base, train_data, tmp_path_factory) -> Path:
+    return trained(base, train_data, tmp_path_factory.mktemp("lora2"), nproc=2,
+                   micro_batch_size=4, max_steps=STEPS, **LORA)
+
+
+def adapter(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt_dir / ADAPTER_WEIGHTS))
+
+
+def test_lora_on_two_ranks_trains_the_adapter_one_rank_trains(base, train_data, tmp_path,
+                                                              adapter_world_2):
+    world_1 = trained(base, train_data, tmp_path, nproc=1, micro_batch_size=8,
+                      max_steps=STEPS, **LORA)
+    a, b = adapter(adapter_world_2), adapter(world_1)
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert max(float(b[k].abs().max()) for k in b if "lora_B" in k) > 1e-4  # it trained
+    assert max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a) <= RTOL
+
+
+def test_an_adapter_checkpoint_is_what_vllm_loads_and_says_what_it_is(base, adapter_world_2):
+    meta = ckpt.verify_checkpoint(adapter_world_2)
+    assert sorted(meta.files) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    extra = meta.extra
+    assert (extra["kind"], extra["lora_rank"], extra["lora_alpha"]) == ("lora", 4, 8.0)
+    assert extra["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"]
+    assert len(extra["base_fingerprint"]) == 64
+    config = json.loads((adapter_world_2 / ADAPTER_CONFIG).read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    # 2 layers x 7 projections x (A, B); nothing of the base model.
+    names = adapter(adapter_world_2)
+    assert len(names) == 28 and all("lora_" in k for k in names)
+    memory = json.loads((adapter_world_2.parent / "memory.json").read_text())["ranks"][0]
+    assert memory["grads"] < 0.1 * memory["weights"]  # gradients for the adapter only
+
+
+def test_export_merged_folds_the_adapter_into_the_weights(base, adapter_world_2, tmp_path):
+    merged = export_merged(adapter_world_2, tmp_path)
+    meta = ckpt.verify_checkpoint(merged)
+    assert meta.step == STEPS and meta.extra["kind"] == "full"
+    tuned, original, lora = weights(merged), weights(base), adapter(adapter_world_2)
+    assert tuned.keys() == original.keys()
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    a, b = lora[f"{prefix}.lora_A.weight"], lora[f"{prefix}.lora_B.weight"]
+    expected = original["model.layers.0.self_attn.q_proj.weight"] + (8 / 4) * b @ a
+    assert torch.allclose(tuned["model.layers.0.self_attn.q_proj.weight"], expected,
+                          atol=1e-6)
+    assert torch.equal(tuned["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+
+
+def test_export_merged_gives_the_logits_of_the_unmerged_adapter(base, adapter_world_2,
+                                                                tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = export_merged(adapter_world_2, tmp_path)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300]])
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            str(adapter_world_2)).eval()
+        full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        assert torch.allclose(full(ids).logits, peft_model(ids).logits, atol=1e-5)
+
+
+def test_merge_on_save_writes_deployable_full_weights_beside_the_adapter(base, train_data,
+                                                                        tmp_path):
+    trained(base, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=1,
+            merge_on_save=True, **LORA)
+    merged = ckpt.latest_checkpoint(tmp_path / "merged")
+    assert merged is not None
+    assert ckpt.verify_checkpoint(merged).extra["kind"] == "full"
+    assert (merged / "model.safetensors").is_file()
+
+
+def test_export_merged_refuses_what_it_cannot_merge(base, adapter_world_2, tmp_path):
+    with pytest.raises(LoraError, match="is not a LoRA adapter checkpoint"):
+        export_merged(_full_checkpoint(base, tmp_path / "full"), tmp_path / "out")
+    export_merged(adapter_world_2, tmp_path / "twice")
+    with pytest.raises(LoraError, match="already exists"):
+        export_merged(adapter_world_2, tmp_path / "twice")
+
+
+def test_export_merged_refuses_a_base_that_changed(base, adapter_world_2, tmp_path):
+    config = base / "config.json"
+    original = config.read_bytes()
+    try:
+        config.write_text(original.decode().replace('"rms_norm_eps": 1e-06',
+                                                    '"rms_norm_eps": 1e-05'))
+        done = subprocess.run([sys.executable, "-m", "dpserve", "export-merged",
+                               str(adapter_world_2), str(tmp_path / "out")],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        config.write_bytes(original)
+    assert done.returncode == 2
+    line, = done.stderr.strip().splitlines()
+    assert "is not the base model" in line and str(base) in line
+    assert not (tmp_path / "out").exists()
+
+
+def _full_checkpoint(model: Path, output: Path) -> Path:
+    def copy(tmp: Path) -> None:
+        for f in model.iterdir():
+            if f.is_file():
+                shutil.copyfile(f, tmp / f.name)
+    return ckpt.write_checkpoint(output, 1, copy, base_model=str(model), loss=None,
+                                 world_size=1)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"lora_targets": "q_proj,qkv_proj"}, "lora_targets: qkv_proj match no linear layer"),
+    ({"lora_rank": 4, "lora_dropout": 1.5}, "lora_dropout: must be in [0, 1)"),
+    ({"merge_on_save": True}, "merge_on_save: needs --lora-rank"),
+])
+def test_bad_lora_settings_are_one_line_errors_before_anything_starts(base, train_data,
+                                                                       tmp_path, flags,
+                                                                       message):
+    flags = {"lora_rank": 4, **flags} if "lora_targets" in flags else flags
+    done = finetune(base, train_data, tmp_path / "out", nproc=2, max_steps=1, **flags)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert "torch.distributed.run" not in done.stdout
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_resuming_a_lora_run_without_lora_is_refused(base, train_data, tmp_path):
+    trained(base, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=2,
+            stop_after_steps=1, **LORA)
+    done = finetune(base, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=2,
+                    resume=True)
+    assert done.returncode == 2
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("dpserve finetune: lora_rank:") and "LoRA adapter" in line
