@@ -308,6 +308,11 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         from dpserve.finetune.config import build_finetune_config
         from dpserve.finetune.launch import run_finetune
 
+        if ns.plan:
+            from dpserve.finetune.plan import run_plan
+
+            return run_plan(build_finetune_config(ns, plan_only=True), ns.device_memory_gib,
+                            ns.plan_device)
         return run_finetune(build_finetune_config(ns))
 
     file_values = load_yaml(ns.config)

@@ -63,3 +63,22 @@ def trained(model: Path, data: Path, output: Path, *, nproc: int, **flags: objec
 
 def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt_dir / "model.safetensors"))
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def plan_matches(model: Path, memory: dict[str, object], *, within: float = 0.05) -> None:
+    """A run's OUTPUT/memory.json (rank 0) against `--plan` for the same settings."""
+    from dpserve.finetune.plan import Setup, estimate, model_shape
+
+    rank0 = memory["ranks"][0]  # type: ignore[index]
+    setup = Setup(strategy=str(memory["strategy"]), world_size=int(memory["world_size"]),
+                  micro_batch=1, seq_len=1, gpu=False,
+                  reshard_after_forward=bool(memory["reshard_after_forward"]),
+                  lora_rank=memory["lora_rank"])  # type: ignore[arg-type]
+    planned = estimate(model_shape(str(model), LORA_TARGETS), setup)
+    for key, value in (("weights", planned.weights), ("grads", planned.grads),
+                       ("optimizer", planned.optimizer)):
+        measured = rank0[key]
+        assert abs(value - measured) <= within * measured, (key, value, measured)

@@ -150,6 +150,13 @@ def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
     p.add_argument("--merge-on-save", action="store_true", default=None)
     p.add_argument("--config", help="YAML settings file")
     if launcher:
+        p.add_argument("--plan", action="store_true",
+                       help="print each rank's memory per strategy and exit (no training)")
+        p.add_argument("--device-memory-gib", type=float,
+                       help="--plan: memory of one device (default: the GPU's, else RAM/ranks)")
+        p.add_argument("--plan-device", choices=("gpu", "cpu"),
+                       help="--plan: plan for GPUs (bf16 autocast) or CPUs (fp32); "
+                            "default: what this machine has")
         p.add_argument("--nproc-per-node", type=int)
         p.add_argument("--nnodes", type=int)
         p.add_argument("--node-rank", type=int)
@@ -159,16 +166,21 @@ def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
 
 
 def build_finetune_config(
-    ns: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str] | None = None
+    ns: argparse.Namespace | Mapping[str, Any], env: Mapping[str, str] | None = None,
+    *, plan_only: bool = False,
 ) -> FinetuneConfig:
+    """The validated settings; `plan_only` (for `--plan`) needs no data or output."""
     flags = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
+    if plan_only:
+        flags["data"] = flags.get("data") or ""
+        flags["output"] = flags.get("output") or ""
     file_values = load_yaml(flags.pop("config", None))
     file_values = dict(file_values.get("finetune", file_values))
     names = {f.name for f in fields(FinetuneConfig)}
     flags = {k: v for k, v in flags.items() if k in names}
     cfg = resolve(FinetuneConfig, flags, file_values, os.environ if env is None else env,
                   prefix="")
-    _validate(cfg)
+    _validate(cfg, plan_only=plan_only)
     return cfg
 
 
@@ -177,7 +189,7 @@ def _check(ok: bool, name: str, message: str, value: Any) -> None:
         raise ConfigError(f"{name}: {message}, got {value!r}")
 
 
-def _validate(c: FinetuneConfig) -> None:
+def _validate(c: FinetuneConfig, *, plan_only: bool = False) -> None:
     _check(c.max_steps is None or c.epochs is None, "max_steps",
            "give either max_steps or epochs, not both", c.max_steps)
     if c.max_steps is not None:
@@ -223,7 +235,7 @@ def _validate(c: FinetuneConfig) -> None:
            "needs --lora-rank (full fine-tunes are saved merged already)", c.merge_on_save)
     for name in ("data", "eval_data"):
         value = getattr(c, name)
-        if value is not None:
+        if value is not None and not plan_only:
             _check(Path(value).is_file(), name, "no such file", value)
 
 

@@ -76,7 +76,8 @@ class ActivationMeter:
         return self
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        base = t._base if t._base is not None else t  # a linear saves weight.t(), a view
+        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return t  # a weight (or an FSDP-gathered one): counted as weights, not here
         local = _local(t)
         key = _storage_key(local)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from dpserve import checkpoint as ckpt
 from dpserve.finetune.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, export_merged
-from tests.finetune_helpers import finetune, trained, weights, write_train_data
+from tests.finetune_helpers import finetune, plan_matches, trained, weights, write_train_data
 
 STEPS = 3
 RTOL = 1e-5
@@ -70,6 +70,7 @@ def test_an_adapter_checkpoint_is_what_vllm_loads_and_says_what_it_is(base, adap
     assert len(names) == 28 and all("lora_" in k for k in names)
     memory = json.loads((adapter_world_2.parent / "memory.json").read_text())["ranks"][0]
     assert memory["grads"] < 0.1 * memory["weights"]  # gradients for the adapter only
+    plan_matches(base, json.loads((adapter_world_2.parent / "memory.json").read_text()))
 
 
 def test_export_merged_folds_the_adapter_into_the_weights(base, adapter_world_2, tmp_path):

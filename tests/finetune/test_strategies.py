@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from dpserve import checkpoint as ckpt
-from tests.finetune_helpers import finetune, trained, weights, write_train_data
+from tests.finetune_helpers import (
+    finetune,
+    plan_matches,
+    trained,
+    weights,
+    write_train_data,
+)
 
 STEPS = 4
 RTOL = 1e-5  # parameters after STEPS steps, relative to each tensor's largest value
@@ -54,6 +60,10 @@ def test_zero1_trains_what_ddp_trains(tiny_model, train_data, tmp_path, ddp_worl
                     max_steps=STEPS, strategy="zero1")
     assert max_rel_diff(weights(zero1), weights(ddp_world_1)) <= RTOL
     assert ckpt.read_meta(zero1).extra["strategy"] == "zero1"
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    plan_matches(tiny_model, memory)  # each rank holds half of AdamW's state
+    ddp = json.loads((ddp_world_1.parent / "memory.json").read_text())["ranks"][0]
+    assert memory["ranks"][0]["optimizer"] <= 0.51 * ddp["optimizer"]
 
 
 def test_fsdp_zero2_with_activation_checkpointing_and_accumulation_trains_the_same(
@@ -77,6 +87,9 @@ def test_fsdp_saves_servable_weights_and_sharded_training_state(tiny_model, fsdp
     shards = sorted(p.name for p in (state / "dcp").iterdir())
     assert len(shards) == 2 and all(s.endswith(".safetensors") for s in shards)
     assert not (state / "master_weights.pt").exists()
+    # Each rank holds half of the weights, gradients and optimizer state, as planned.
+    memory = json.loads((fsdp_world_2.parent / "memory.json").read_text())
+    plan_matches(tiny_model, memory)
 
 
 def test_fsdp_resumed_on_another_world_size_continues_exactly(tiny_model, train_data, tmp_path,
