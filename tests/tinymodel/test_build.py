@@ -48,7 +48,7 @@ def fake_writer(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Replace the real (slow) model writer by a fake; records where it wrote."""
     calls: list[Path] = []
 
-    def fake_model_files(out: Path) -> None:
+    def fake_model_files(out: Path, shape: object) -> None:
         calls.append(out)
         (out / "config.json").write_text("{}")
 
@@ -158,7 +158,7 @@ def test_refuses_to_replace_a_directory_it_did_not_build(
 def test_crashed_build_leaves_nothing_that_looks_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def crash(out: Path) -> None:
+    def crash(out: Path, shape: object) -> None:
         (out / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
@@ -166,3 +166,16 @@ def test_crashed_build_leaves_nothing_that_looks_complete(
     with pytest.raises(RuntimeError, match="disk full"):
         build_tiny_model(tmp_path / "m")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bigger_size_is_another_build_of_the_same_recipe(tmp_path: Path,
+                                                           fake_writer: list[Path]) -> None:
+    """`--size 150m` (for memory benchmarks) is not mistaken for the tiny build, nor the
+    tiny build for it."""
+    build_tiny_model(tmp_path / "m")
+    assert build_module.is_built(tmp_path / "m") and not build_module.is_built(
+        tmp_path / "m", size="150m")
+    build_tiny_model(tmp_path / "m", size="150m")
+    assert len(fake_writer) == 2 and build_module.is_built(tmp_path / "m", size="150m")
+    with pytest.raises(ValueError, match="size must be one of tiny, 150m"):
+        build_tiny_model(tmp_path / "m", size="7b")
