@@ -228,9 +228,6 @@ def _validate(c: FinetuneConfig, *, plan_only: bool = False) -> None:
     _check(0 <= c.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", c.lora_dropout)
     _check(bool(lora_targets(c)), "lora_targets", "must name at least one module",
            c.lora_targets)
-    _check(c.lora_rank is None or c.strategy != "fsdp", "strategy",
-           "LoRA trains with ddp or zero1 (fsdp with an adapter is not supported yet)",
-           c.strategy)
     _check(not c.merge_on_save or c.lora_rank is not None, "merge_on_save",
            "needs --lora-rank (full fine-tunes are saved merged already)", c.merge_on_save)
     for name in ("data", "eval_data"):

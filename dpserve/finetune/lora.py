@@ -85,12 +85,24 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(get_peft_model_state_dict(model))
 
 
-def save_adapter(model: torch.nn.Module, out_dir: Path) -> None:
-    """`adapter_config.json` + `adapter_model.safetensors` (fp32), as vLLM loads them."""
+def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, whole, on CPU. Under fsdp they are DTensor shards, gathered
+    here: a collective, every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu")
+            .contiguous() for k, v in adapter_state(model).items()}
+
+
+def save_adapter(model: torch.nn.Module, out_dir: Path,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+    """`adapter_config.json` + `adapter_model.safetensors` (fp32), as vLLM loads them;
+    `state` from `full_adapter_state` (gathered by every rank) under fsdp."""
     from safetensors.torch import save_file
 
     peft_config: Any = model.peft_config["default"]  # type: ignore[index]
-    state = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state(model).items()}
+    if state is None:
+        state = full_adapter_state(model)
     save_file(state, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     peft_config.save_pretrained(str(out_dir))
     # peft writes target_modules from a set: sorted, the file is the same on every save.

@@ -3,11 +3,11 @@
 The parameter counts are exact: the model is built from its `config.json` on the
 meta device (no weights read, any size). The bytes follow what the trainer does:
 
-| per rank          | ddp      | zero1    | fsdp       | LoRA (ddp)                 |
-|-------------------|----------|----------|------------|----------------------------|
-| weights (fp32)    | 4P       | 4P       | 4P/N       | 4P + 4A                    |
-| gradients (fp32)  | 4P       | 4P       | 4P/N       | 4A                         |
-| AdamW state       | 8P       | 8P/N     | 8P/N       | 8A (zero1: 8A/N)           |
+| per rank          | ddp      | zero1    | fsdp       | LoRA (ddp)       | LoRA (fsdp)  |
+|-------------------|----------|----------|------------|------------------|--------------|
+| weights (fp32)    | 4P       | 4P       | 4P/N       | 4P + 4A          | 4(P + A)/N   |
+| gradients (fp32)  | 4P       | 4P       | 4P/N       | 4A               | 4A/N         |
+| AdamW state       | 8P       | 8P/N     | 8P/N       | 8A (zero1: 8A/N) | 8A/N         |
 | gathered (fsdp)   |          |          | 2 layers + root (ZeRO-3), every layer (ZeRO-2) |
 
 P parameters, A adapter parameters, N ranks. Activations, per token of a micro-batch
@@ -128,10 +128,7 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
     n = setup.world_size
     p = shape.params
     act = activation_bytes(shape, setup)
-    if setup.lora_rank is not None:
-        a = shape.lora_params_per_rank * setup.lora_rank
-        opt = 8 * a / (n if setup.strategy == "zero1" else 1)
-        return Estimate(4 * (p + a), 4 * a, opt, 0.0, act)
+    a = shape.lora_params_per_rank * setup.lora_rank if setup.lora_rank is not None else 0
     if setup.strategy == "fsdp":
         compute = 2 if setup.gpu else 4
         root = p - shape.layers * shape.layer_params
@@ -139,8 +136,13 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
             gathered = compute * (2 * shape.layer_params + root)
         else:  # every layer stays gathered from its forward to its backward
             gathered = compute * p
+        if setup.lora_rank is not None:  # frozen base: gradients for the adapter only
+            return Estimate(4 * (p + a) / n, 4 * a / n, 8 * a / n, float(gathered), act)
         gathered += 4 * shape.layer_params  # one layer's full gradients before reduce-scatter
         return Estimate(4 * p / n, 4 * p / n, 8 * p / n, float(gathered), act)
+    if setup.lora_rank is not None:
+        opt = 8 * a / (n if setup.strategy == "zero1" else 1)
+        return Estimate(4 * (p + a), 4 * a, opt, 0.0, act)
     opt = 8 * p / (n if setup.strategy == "zero1" else 1)
     return Estimate(4 * p, 4 * p, opt, 0.0, act)
 
@@ -195,7 +197,8 @@ def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: st
               f"(keeping {100 - 100 * HEADROOM:.0f}% headroom)", "",
               "  the other strategies, same batch:"]
     others = [replace(setup, strategy=s, lora_rank=None) for s in ("ddp", "zero1", "fsdp")]
-    others.append(replace(setup, strategy="ddp", lora_rank=setup.lora_rank or 16))
+    others += [replace(setup, strategy=s, lora_rank=setup.lora_rank or 16)
+               for s in ("ddp", "fsdp")]
     for other in others:
         if other == setup:
             continue

@@ -36,6 +36,16 @@ from dpserve.finetune.strategy import Parallel, full_tensors, tensor_sizes
 from dpserve.finetune.weights import copy_tokenizer_files, plan_files, write_config, write_weights
 
 DCP_DIR = "dcp"
+
+
+def _dcp_options() -> Any:
+    """Frozen parameters (a LoRA run's base) are the base model's: not training state.
+    Not strict, so that loading leaves them as they are: every key that is saved is
+    loaded (DCP raises on a key the files lack)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
 MERGED_DIR = "merged"  # --merge-on-save: full-weight checkpoints of a LoRA run
 
 
@@ -52,6 +62,11 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
     elif d.master:
         optimizer_state = par.optimizer.state_dict()
     lora = cfg.lora_rank is not None
+    adapter = None
+    if lora:
+        from dpserve.finetune import lora as lora_mod
+
+        adapter = lora_mod.full_adapter_state(par.model)  # gathers under fsdp: all ranks
     path = None
     if d.master:
         def write_state(tmp: Path) -> None:
@@ -68,9 +83,7 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
     if d.master:
         def write_model(tmp: Path) -> None:
             if lora:
-                from dpserve.finetune import lora as lora_mod
-
-                lora_mod.save_adapter(par.model, tmp)
+                lora_mod.save_adapter(par.model, tmp, adapter)
             else:
                 write_weights(tmp, files, full_tensors(par.model, master=True), base_dtype,
                               write=True)
@@ -80,16 +93,12 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
         extra: dict[str, Any] = {"lr": scheduler.get_last_lr()[0], "epoch": epoch,
                                  "strategy": par.strategy}
         if lora:
-            from dpserve.finetune import lora as lora_mod
-
             extra.update(lora_mod.adapter_meta_extra(cfg))
         path = ckpt.write_checkpoint(output, step, write_model, base_model=cfg.model,
                                      loss=loss, world_size=d.world_size, extra=extra)
         ckpt.prune_checkpoints(output, cfg.keep_last)
         print(f"checkpoint {path}", flush=True)
         if lora and cfg.merge_on_save:
-            from dpserve.finetune import lora as lora_mod
-
             merged = lora_mod.export_merged(path, output / MERGED_DIR)
             ckpt.prune_checkpoints(output / MERGED_DIR, cfg.keep_last)
             print(f"checkpoint {merged} (merged)", flush=True)
@@ -114,7 +123,7 @@ def _stage_sharded_state(output: Path, step: int, par: Parallel, d: Dist) -> Pat
         shutil.rmtree(staged, ignore_errors=True)  # left by a save that died
         staged.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(par.model, par.optimizer)
+    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_dcp_options())
     # Tensors only: the param groups (lr, betas...) are rebuilt from the settings and
     # the schedule; safetensors holds nothing else.
     dcp_save({"model": model_sd, "optim": optim_sd["state"]},
@@ -188,9 +197,10 @@ def _load_sharded_state(path: Path, par: Parallel) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    model_sd, optim_sd = get_state_dict(par.model, par.optimizer)
+    model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_dcp_options())
     loaded: dict[str, Any] = {"model": model_sd, "optim": optim_sd["state"]}
     dcp_load(loaded, storage_reader=HuggingFaceStorageReader(str(path)))
     set_state_dict(par.model, par.optimizer, model_state_dict=loaded["model"],
                    optim_state_dict={"state": loaded["optim"],
-                                     "param_groups": optim_sd["param_groups"]})
+                                     "param_groups": optim_sd["param_groups"]},
+                   options=_dcp_options())

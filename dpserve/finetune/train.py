@@ -268,7 +268,7 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
         from dpserve.finetune import lora
 
         model = lora.apply_lora(model, cfg)
-        if resumed_from is not None:
+        if resumed_from is not None and cfg.strategy != "fsdp":  # fsdp: from its DCP state
             lora.load_adapter_weights(model, resumed_from)
     par = wrap(model, cfg, d)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

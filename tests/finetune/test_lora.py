@@ -45,14 +45,38 @@ def adapter(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt_dir / ADAPTER_WEIGHTS))
 
 
-def test_lora_on_two_ranks_trains_the_adapter_one_rank_trains(base, train_data, tmp_path,
+@pytest.fixture(scope="module")
+def adapter_world_1(base, train_data, tmp_path_factory) -> Path:
+    return trained(base, train_data, tmp_path_factory.mktemp("lora1"), nproc=1,
+                   micro_batch_size=8, max_steps=STEPS, **LORA)
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a)
+
+
+def test_lora_on_two_ranks_trains_the_adapter_one_rank_trains(adapter_world_1,
                                                               adapter_world_2):
-    world_1 = trained(base, train_data, tmp_path, nproc=1, micro_batch_size=8,
-                      max_steps=STEPS, **LORA)
-    a, b = adapter(adapter_world_2), adapter(world_1)
-    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    a, b = adapter(adapter_world_2), adapter(adapter_world_1)
+    assert any("lora_B" in k for k in a)
     assert max(float(b[k].abs().max()) for k in b if "lora_B" in k) > 1e-4  # it trained
-    assert max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in a) <= RTOL
+    assert max_rel_diff(a, b) <= RTOL
+
+
+def test_lora_under_fsdp_trains_the_same_adapter_and_resumes_on_one_rank(
+        base, train_data, tmp_path, adapter_world_1):
+    """The frozen base is sharded too (what a 70B adapter needs); its sharded training
+    state holds the adapter and its optimizer state only, and reshards on resume."""
+    half = trained(base, train_data, tmp_path, nproc=2, micro_batch_size=4,
+                   max_steps=STEPS, strategy="fsdp", stop_after_steps=1, **LORA)
+    state = ckpt.train_state_dir(tmp_path, 1)
+    assert state is not None and ckpt.read_meta(half).extra["strategy"] == "fsdp"
+    dcp_bytes = sum(p.stat().st_size for p in (state / "dcp").iterdir())
+    assert dcp_bytes < 0.2 * (base / "model.safetensors").stat().st_size  # no base weights
+    resumed = trained(base, train_data, tmp_path, nproc=1, micro_batch_size=8,
+                      max_steps=STEPS, strategy="fsdp", resume=True, **LORA)
+    assert max_rel_diff(adapter(resumed), adapter(adapter_world_1)) <= RTOL
 
 
 def test_an_adapter_checkpoint_is_what_vllm_loads_and_says_what_it_is(base, adapter_world_2):

@@ -95,7 +95,7 @@ def test_plan_prints_every_strategy_and_a_verdict_without_training(gqa_model, tm
     for row in ("weights", "gradients", "optimizer (AdamW)", "gathered parameters",
                 "activations", "total"):
         assert f"  {row} " in out
-    for other in ("ddp ", "zero1 ", "ddp + LoRA rank 16"):
+    for other in ("ddp ", "zero1 ", "ddp + LoRA rank 16", "fsdp + LoRA rank 16"):
         assert f"\n  {other}" in out
     # 51 MiB less 10% headroom: fsdp (43 MiB) and LoRA (34 MiB) fit, ddp (68 MiB) does not.
     assert "; fits (keeping 10% headroom)" in out

@@ -131,7 +131,6 @@ def test_resuming_with_another_strategy_is_refused_before_training(tiny_model, t
     ({"strategy": "zero3"}, "strategy: must be one of ddp, zero1, fsdp"),
     ({"bucket_cap_mb": 0}, "bucket_cap_mb: must be > 0"),
     ({"lora_rank": 0}, "lora_rank: must be >= 1"),
-    ({"lora_rank": 4, "strategy": "fsdp"}, "strategy: LoRA trains with ddp or zero1"),
 ])
 def test_bad_strategy_settings_are_one_line_errors(tiny_model, train_data, tmp_path, flags,
                                                    message):
