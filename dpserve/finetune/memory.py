@@ -13,11 +13,17 @@
 
 from __future__ import annotations
 
+import json
 import resource
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from dpserve.finetune.config import FinetuneConfig
+from dpserve.finetune.dist import Dist
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,3 +104,22 @@ class ActivationMeter:
 def peak_rss_bytes() -> int:
     """The process' peak resident set size (ru_maxrss is KiB on Linux)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Path) -> None:
+    """What each rank held in the first step, measured. Rank 0 prints its own and writes
+    every rank's to OUTPUT/memory.json: the numbers `dpserve finetune --plan` estimates."""
+    ranks: list[Any] = [None] * d.world_size
+    dist.all_gather_object(ranks, mine)
+    if not d.master:
+        return
+    (output / "memory.json").write_text(json.dumps(
+        {"strategy": cfg.strategy, "world_size": d.world_size, "lora_rank": cfg.lora_rank,
+         "micro_batch_size": cfg.micro_batch_size, "max_seq_len": cfg.max_seq_len,
+         "activation_checkpointing": cfg.activation_checkpointing,
+         "reshard_after_forward": cfg.reshard_after_forward, "ranks": ranks}, indent=2) + "\n")
+    mib = {k: v / 2**20 for k, v in mine.items()}
+    print(f"memory on rank 0 after step 1: weights {mib['weights']:,.1f} MiB, gradients "
+          f"{mib['grads']:,.1f} MiB, optimizer {mib['optimizer']:,.1f} MiB, activations "
+          f"{mib['activations']:,.1f} MiB (first micro-batch); process peak "
+          f"{mib['peak_rss']:,.0f} MiB", flush=True)
