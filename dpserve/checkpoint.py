@@ -131,6 +131,12 @@ class CheckpointMeta:
                    | {"loss": None if loss is None else float(loss)})
 
 
+def checkpoint_kind(meta: CheckpointMeta) -> str:
+    """What the directory holds: `full` (weights vLLM serves; also every checkpoint written
+    before kinds existed) or `lora` (an adapter: `dpserve.finetune.lora`), from extra["kind"]."""
+    return str(meta.extra.get("kind", "full"))
+
+
 def open_regular(path: Path, *, dir_fd: int | None = None) -> int:
     """A read-only descriptor of `path`, which must be a regular file: never follows a
     symbolic link (in its last component), never blocks on a FIFO or device, and checks

@@ -10,6 +10,7 @@ Then it runs torch's elastic launcher (`python -m torch.distributed.run`) on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -88,6 +89,13 @@ def _check_resumable(cfg: FinetuneConfig) -> None:
         what = "a LoRA adapter" if was_lora else "every weight"
         raise PreflightError(f"lora_rank: {latest} trained {what}; resume it the same way "
                              "(with or without --lora-rank), or choose a new --output")
+    if was_lora:
+        from dpserve.finetune.lora import LoraError, check_resumable
+
+        try:
+            check_resumable(ckpt.read_meta(latest), cfg)
+        except LoraError as exc:
+            raise PreflightError(str(exc)) from None
 
 
 def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
@@ -105,6 +113,8 @@ def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
 def run_finetune(cfg: FinetuneConfig) -> int:
     from dpserve.finetune.data import DataError
 
+    if Path(cfg.model).is_dir():  # checkpoints name their base: absolute, valid anywhere
+        cfg = dataclasses.replace(cfg, model=str(Path(cfg.model).absolute()))
     try:
         preflight(cfg)
     except (PreflightError, DataError, ckpt.CheckpointError) as exc:

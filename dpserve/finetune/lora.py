@@ -9,12 +9,17 @@ hot-loads like any other.
 
 Only the adapter's parameters require gradients, so DDP all-reduces only them
 and AdamW keeps state only for them (~1% of the model at rank 16).
+
+Errors: `LoraError` (a ValueError) for a setting or an adapter checkpoint that
+cannot be used, one line naming the flag or the path; `CheckpointError` for an
+adapter file that does not fit the model it is loaded into (resume).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +36,36 @@ class LoraError(ValueError):
     """A LoRA setting or an adapter checkpoint is unusable; one line naming which."""
 
 
-def linear_names(model_dir: str) -> list[str]:
-    """The distinct last names of the model's nn.Linear modules (q_proj, lm_head, ...),
-    from its config alone (a meta-device model: no weights read)."""
+def linear_modules(model_dir: str) -> list[str]:
+    """The full names of the model's nn.Linear modules (model.layers.0.self_attn.q_proj,
+    lm_head, ...), from its config alone (a meta-device model: no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear)})
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def linear_names(model_dir: str) -> list[str]:
+    """The distinct last names of the model's nn.Linear modules (q_proj, lm_head, ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in linear_modules(model_dir)})
 
 
 def check_targets(model_dir: str, targets: list[str]) -> None:
-    """LoraError naming every target that is no linear layer of the model."""
-    names = linear_names(model_dir)
-    missing = [t for t in targets if t not in names]
+    """LoraError naming every target that matches no linear layer of the model.
+
+    A target matches as peft matches a list entry: a module whose full name is the
+    target or ends with "." + target (so `q_proj` and `self_attn.q_proj` both work).
+    peft itself only fails when *no* target matches; one typo among seven would
+    otherwise train silently without that module."""
+    modules = linear_modules(model_dir)
+    missing = [t for t in targets
+               if not any(m == t or m.endswith("." + t) for m in modules)]
     if missing:
-        raise LoraError(f"lora_targets: {', '.join(missing)} match no linear layer of "
-                        f"{model_dir}; its linear layers are {', '.join(names)}")
+        verb = "matches" if len(missing) == 1 else "match"
+        raise LoraError(f"lora_targets: {', '.join(missing)} {verb} no linear layer of "
+                        f"{model_dir}; its linear layers are "
+                        f"{', '.join(linear_names(model_dir))}")
 
 
 def lora_config(cfg: FinetuneConfig) -> Any:
@@ -72,9 +89,14 @@ def apply_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
     starts from the same adapter."""
     from peft import get_peft_model
 
+    # fork_rng: the seed fixes the adapter's init without resetting the caller's stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         peft_model: torch.nn.Module = get_peft_model(model, lora_config(cfg))
+    # What adapter_config.json names as the base: the model the manifest names too,
+    # whatever path the weights were read from.
+    peft_config: Any = peft_model.peft_config["default"]  # type: ignore[index]
+    peft_config.base_model_name_or_path = cfg.model
     return peft_model
 
 
@@ -96,7 +118,8 @@ def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: torch.nn.Module, out_dir: Path,
                  state: dict[str, torch.Tensor] | None = None) -> None:
-    """`adapter_config.json` + `adapter_model.safetensors` (fp32), as vLLM loads them;
+    """`adapter_config.json` + `adapter_model.safetensors` (fp32) and nothing else (no
+    README), as vLLM's `--enable-lora` loads them; the same bytes for the same adapter.
     `state` from `full_adapter_state` (gathered by every rank) under fsdp."""
     from safetensors.torch import save_file
 
@@ -113,24 +136,39 @@ def save_adapter(model: torch.nn.Module, out_dir: Path,
 
 
 def load_adapter_weights(model: torch.nn.Module, adapter_dir: Path) -> None:
-    """Put a saved adapter's tensors into a peft model built with the same settings."""
+    """Put a saved adapter's tensors into a peft model built with the same settings
+    (resume). Strict: the file must hold exactly the model's adapter tensors, with their
+    shapes, else CheckpointError naming the file — nothing is loaded then."""
     from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise ckpt.CheckpointError(f"{path}: no adapter weights")
-    saved = load_file(str(path))
-    expected = set(adapter_state(model))
-    if set(saved) != expected:
-        raise ckpt.CheckpointError(f"{path}: holds another adapter (tensor names differ from "
-                                   "--lora-rank/--lora-targets)")
+    try:
+        saved = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ckpt.CheckpointError(f"{path}: cannot read the adapter: {exc}") from None
+    expected = {k: tuple(v.shape) for k, v in adapter_state(model).items()}
+    if set(saved) != set(expected):
+        missing = sorted(set(expected) - set(saved))
+        raise ckpt.CheckpointError(
+            f"{path}: holds another adapter (tensor names differ from --lora-targets"
+            + (f"; lacks {missing[0]}" if missing else "") + ")")
+    for name, shape in expected.items():
+        if tuple(saved[name].shape) != shape:
+            raise ckpt.CheckpointError(
+                f"{path}: holds another adapter ({name} is {list(saved[name].shape)}, "
+                f"--lora-rank makes it {list(shape)})")
     set_peft_model_state_dict(model, saved)
 
 
 def base_fingerprint(model_dir: str) -> str:
-    """sha256 over the base's config.json and every *.safetensors file (name and
-    content, sorted by name): an adapter only fits the exact weights it was trained on.
+    """sha256 hex over, in this order, config.json and every *.safetensors file directly
+    in `model_dir` sorted by name, each contributing `name NUL sha256hex(content)`:
+    an adapter only fits the exact weights it was trained on. Files are hashed in
+    chunks (memory stays flat); the cost is one read of the weights, ~1 s per GB.
     A hub id (no local directory) is fingerprinted by its name."""
     base = Path(model_dir)
     digest = hashlib.sha256()
@@ -143,33 +181,71 @@ def base_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()
 
 
-def adapter_meta_extra(cfg: FinetuneConfig) -> dict[str, Any]:
-    """What `dpserve.json` records about an adapter checkpoint."""
+def adapter_meta_extra(cfg: FinetuneConfig, *, fingerprint: str | None = None
+                       ) -> dict[str, Any]:
+    """What `dpserve.json` records about an adapter checkpoint. `fingerprint`: the
+    base's `base_fingerprint`, computed once per run by the caller (it reads every
+    weight byte); computed here when not given."""
     return {"kind": "lora", "lora_rank": cfg.lora_rank, "lora_alpha": alpha(cfg),
-            "lora_targets": lora_targets(cfg), "base_fingerprint": base_fingerprint(cfg.model)}
+            "lora_targets": lora_targets(cfg),
+            "base_fingerprint": fingerprint or base_fingerprint(cfg.model)}
 
 
-def export_merged(adapter_ckpt: Path, output: Path) -> Path:
-    """Write `output/step-N` (N: the adapter's step): full weights = base + adapter,
-    in the base's dtype, an ordinary checkpoint `dpserve deploy` hot-loads."""
+def check_resumable(meta: ckpt.CheckpointMeta, cfg: FinetuneConfig) -> None:
+    """LoraError unless the adapter checkpoint `meta` continues with `cfg`'s settings on
+    the same base: another rank or other targets cannot load, another alpha or base
+    would silently train something else."""
+    saved = meta.extra
+    for name, now in (("lora_rank", cfg.lora_rank), ("lora_alpha", alpha(cfg)),
+                      ("lora_targets", lora_targets(cfg))):
+        if saved.get(name) != now:
+            raise LoraError(f"{name}: the run being resumed used {saved.get(name)!r}, "
+                            f"not {now!r}; resume with the same setting, or a new --output")
+    if saved.get("base_fingerprint") != base_fingerprint(cfg.model):
+        raise LoraError(f"model: {cfg.model} is not the base the run being resumed was "
+                        "trained on (its config or weights changed since)")
+
+
+def export_merged(adapter_ckpt: Path, output: Path, *, base_fingerprint_now: str | None = None
+                  ) -> Path:
+    """Write `output/step-N` (N: the adapter's step) and return it: full weights =
+    base + B·A·alpha/r, merged in fp32 and stored in the base's dtype, an ordinary
+    checkpoint (`extra.kind` full, `merged_from` the adapter) `dpserve deploy` hot-loads.
+
+    Refused with LoraError, before anything is written: a checkpoint that is not an
+    adapter, an existing `output/step-N`, a base (the manifest's `base_model`) that is
+    missing or whose fingerprint changed. CheckpointError: the adapter fails
+    verification. `base_fingerprint_now`: the base's fingerprint when the caller has
+    just computed it (the trainer, once per run), instead of hashing it again."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from dpserve.finetune.weights import copy_tokenizer_files, save_weights
 
     meta = ckpt.verify_checkpoint(adapter_ckpt)
-    if meta.extra.get("kind") != "lora":
-        raise LoraError(f"{adapter_ckpt}: is not a LoRA adapter checkpoint (it holds full "
-                        "weights already; deploy it as it is)")
+    kind = ckpt.checkpoint_kind(meta)
+    if kind != "lora":
+        why = ("it holds full weights already; deploy it as it is" if kind == "full"
+               else f"its {ckpt.META_FILE} says kind {kind!r}")
+        raise LoraError(f"{adapter_ckpt}: is not a LoRA adapter checkpoint ({why})")
+    final = Path(output) / ckpt.step_name(meta.step)
+    if os.path.lexists(final):  # before the (long) hashing and merging
+        raise LoraError(f"{final}: already exists; checkpoints are never overwritten")
     base = meta.base_model
-    if base_fingerprint(base) != meta.extra.get("base_fingerprint"):
+    if not Path(base).is_dir() and (base.startswith((".", "/", "~")) or base.count("/") > 1):
+        raise LoraError(f"{base}: no such directory; it is the base model {adapter_ckpt} "
+                        f"names in its {ckpt.META_FILE}")
+    now = base_fingerprint_now or base_fingerprint(base)
+    if now != meta.extra.get("base_fingerprint"):
         raise LoraError(f"{base}: is not the base model {adapter_ckpt} was trained on "
                         "(its config or weights changed since)")
-    final = Path(output) / ckpt.step_name(meta.step)
-    if final.exists():
-        raise LoraError(f"{final}: already exists; checkpoints are never overwritten")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(adapter_ckpt)).merge_and_unload()
+    try:
+        merged = PeftModel.from_pretrained(model, str(adapter_ckpt)).merge_and_unload()
+    except (ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LoraError(f"{adapter_ckpt}: cannot apply the adapter to {base}: {first}"
+                        ) from None
     dtype = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = AutoTokenizer.from_pretrained(base)

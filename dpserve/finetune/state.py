@@ -50,9 +50,11 @@ MERGED_DIR = "merged"  # --merge-on-save: full-weight checkpoints of a LoRA run
 
 
 def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par: Parallel,
-         scheduler: Any, loss: float, base_dtype: torch.dtype, tokenizer: Any) -> Path | None:
+         scheduler: Any, loss: float, base_dtype: torch.dtype, tokenizer: Any,
+         base_fingerprint: str | None = None) -> Path | None:
     """Every rank calls this (it holds collectives); rank 0 publishes. Returns the
-    checkpoint on rank 0."""
+    checkpoint on rank 0. `base_fingerprint`: LoRA runs, computed once per run (it
+    reads every byte of the base)."""
     rng = _gather_rng(d)
     optimizer_state: Any = None
     if par.strategy == "zero1":
@@ -93,13 +95,14 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
         extra: dict[str, Any] = {"lr": scheduler.get_last_lr()[0], "epoch": epoch,
                                  "strategy": par.strategy}
         if lora:
-            extra.update(lora_mod.adapter_meta_extra(cfg))
+            extra.update(lora_mod.adapter_meta_extra(cfg, fingerprint=base_fingerprint))
         path = ckpt.write_checkpoint(output, step, write_model, base_model=cfg.model,
                                      loss=loss, world_size=d.world_size, extra=extra)
         ckpt.prune_checkpoints(output, cfg.keep_last)
         print(f"checkpoint {path}", flush=True)
         if lora and cfg.merge_on_save:
-            merged = lora_mod.export_merged(path, output / MERGED_DIR)
+            merged = lora_mod.export_merged(path, output / MERGED_DIR,
+                                            base_fingerprint_now=base_fingerprint)
             ckpt.prune_checkpoints(output / MERGED_DIR, cfg.keep_last)
             print(f"checkpoint {merged} (merged)", flush=True)
     elif par.strategy == "fsdp" and not lora:

@@ -149,6 +149,11 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
                            consumed % data.batches_per_epoch)
     global_batch = cfg.micro_batch_size * d.world_size * cfg.grad_accum
     stop = StopFlag()
+    fingerprint = None  # of the base a LoRA adapter belongs to: hashed once, by rank 0
+    if cfg.lora_rank is not None and d.master:
+        from dpserve.finetune.lora import base_fingerprint
+
+        fingerprint = base_fingerprint(cfg.model)
     log = LossLog(output / "loss.csv", keep_until=t.start_step) if d.master else None
     progress = Progress(enabled=d.master, total=data.max_steps, start=t.start_step)
     if d.master:
@@ -187,7 +192,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         periodic = cfg.save_every > 0 and step % cfg.save_every == 0
         if periodic or stopping or step == data.max_steps:
             save(cfg, d, output, step, epoch, t.par, t.scheduler, last_loss, t.base_dtype,
-                 tokenizer)
+                 tokenizer, fingerprint)
             last_saved = step
         if stopping:
             progress.note(f"stopping at step {step} (checkpoint saved); continue with --resume")

@@ -9,7 +9,8 @@ without loading the model:
 
 1. `dpserve.json` is present and valid, every file matches its sha256, nothing
    else is in the directory (`checkpoint.verify_checkpoint`, or the snapshot store
-   as it copies the checkpoint: `dpserve.rollout.snapshot`);
+   as it copies the checkpoint: `dpserve.rollout.snapshot`), and its `kind` is
+   full weights, not a LoRA adapter (which needs `dpserve export-merged` first);
 2. `config.json` equals the served model's (architecture, sizes, vocab size);
 3. tensor names, shapes and dtypes equal the served model's, read from the
    safetensors headers (8-byte length + JSON), not from the tensors; each tensor's
@@ -36,8 +37,10 @@ from typing import Any
 import numpy as np
 
 from dpserve.checkpoint import (
+    META_FILE,
     CheckpointError,
     CheckpointMeta,
+    checkpoint_kind,
     open_regular,
     read_capped,
     sha256_file,
@@ -269,10 +272,14 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
             meta = verify_checkpoint(ckpt_dir)
         except CheckpointError as exc:
             raise refused(422, str(exc)) from None
-    if meta.extra.get("kind") == "lora":
+    kind = checkpoint_kind(meta)
+    if kind == "lora":  # before any replica is touched: vLLM cannot hot-load an adapter
         raise refused(422, f"{ckpt_dir}: is a LoRA adapter (kind lora), not full weights; "
                            "write merged weights with `dpserve export-merged "
                            f"{ckpt_dir} OUTPUT` and deploy those")
+    if kind != "full":
+        raise refused(422, f"{ckpt_dir}: holds kind {kind!r} (see extra in {META_FILE}), "
+                           "not full weights; this dpserve deploys only kind full")
     candidate = fingerprint(ckpt_dir)
     found = differences(served, candidate)
     if found:

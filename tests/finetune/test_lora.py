@@ -4,6 +4,7 @@ and its checkpoint is what vLLM's LoRA loader and `dpserve export-merged` read."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,21 @@ import torch
 from safetensors.torch import load_file
 
 from dpserve import checkpoint as ckpt
-from dpserve.finetune.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraError, export_merged
+from dpserve.finetune.config import FinetuneConfig, build_finetune_config
+from dpserve.finetune.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraError,
+    adapter_meta_extra,
+    adapter_state,
+    apply_lora,
+    base_fingerprint,
+    check_resumable,
+    check_targets,
+    export_merged,
+    load_adapter_weights,
+    save_adapter,
+)
 from tests.finetune_helpers import finetune, plan_matches, trained, weights, write_train_data
 
 STEPS = 3
@@ -171,7 +186,7 @@ def _full_checkpoint(model: Path, output: Path) -> Path:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    ({"lora_targets": "q_proj,qkv_proj"}, "lora_targets: qkv_proj match no linear layer"),
+    ({"lora_targets": "q_proj,qkv_proj"}, "lora_targets: qkv_proj matches no linear layer"),
     ({"lora_rank": 4, "lora_dropout": 1.5}, "lora_dropout: must be in [0, 1)"),
     ({"merge_on_save": True}, "merge_on_save: needs --lora-rank"),
 ])
@@ -194,3 +209,168 @@ def test_resuming_a_lora_run_without_lora_is_refused(base, train_data, tmp_path)
     assert done.returncode == 2
     line, = done.stderr.strip().splitlines()
     assert line.startswith("dpserve finetune: lora_rank:") and "LoRA adapter" in line
+
+
+# -- the pieces, in process (no training) ---------------------------------------------------
+
+
+def lora_cfg(model: Path, **flags: object) -> FinetuneConfig:
+    return build_finetune_config({"model": str(model), "data": "", "output": "",
+                                  "lora_rank": 4, "lora_alpha": 8, **flags},
+                                 env={}, plan_only=True)
+
+
+def wrapped(model: Path, **flags: object) -> torch.nn.Module:
+    """The base with a fresh adapter; `lora_B` made non-zero (seeded) so it changes logits."""
+    from transformers import AutoModelForCausalLM
+
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                            lora_cfg(model, **flags))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return peft_model
+
+
+def handmade_checkpoint(model: Path, output: Path, step: int = 5, **flags: object) -> Path:
+    """An adapter checkpoint as `dpserve finetune --lora-rank 4` writes one."""
+    peft_model = wrapped(model, **flags)
+    return ckpt.write_checkpoint(output, step, lambda tmp: save_adapter(peft_model, tmp),
+                                 base_model=str(model), loss=1.0, world_size=1,
+                                 extra=adapter_meta_extra(lora_cfg(model, **flags)))
+
+
+def test_check_targets_names_each_target_that_matches_no_linear_layer(base):
+    with pytest.raises(LoraError) as error:
+        check_targets(str(base), ["q_proj", "qkv_proj", "w1"])
+    message = str(error.value)
+    assert message.startswith(f"lora_targets: qkv_proj, w1 match no linear layer of {base};")
+    assert message.endswith("its linear layers are down_proj, gate_proj, k_proj, lm_head, "
+                            "o_proj, q_proj, up_proj, v_proj")
+    check_targets(str(base), ["self_attn.q_proj", "down_proj"])  # peft's suffix matching
+
+
+def test_apply_lora_trains_only_the_adapter_and_starts_it_the_same_every_time(base):
+    from transformers import AutoModelForCausalLM
+
+    def fresh(seed: int) -> torch.nn.Module:
+        torch.manual_seed(1000 + seed)  # the caller's RNG state must not matter
+        return apply_lora(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                          lora_cfg(base, seed=seed))
+
+    one, two, other_seed = fresh(0), fresh(0), fresh(1)
+    trainable = [n for n, p in one.named_parameters() if p.requires_grad]
+    assert len(trainable) == 28 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    a, b, c = adapter_state(one), adapter_state(two), adapter_state(other_seed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
+    assert all(not v.any() for k, v in a.items() if "lora_B" in k)  # starts as the base
+
+
+def test_a_saved_adapter_is_what_vllm_loads_and_loads_back_exactly(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    first = wrapped(base)
+    (tmp_path / "one").mkdir()
+    save_adapter(first, tmp_path / "one")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [ADAPTER_CONFIG,
+                                                                    ADAPTER_WEIGHTS]
+    config = json.loads((tmp_path / "one" / ADAPTER_CONFIG).read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 8.0, "CAUSAL_LM")
+
+    second = apply_lora(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                        lora_cfg(base, seed=9))  # another init, replaced by the load
+    load_adapter_weights(second, tmp_path / "one")
+    a, b = adapter_state(first), adapter_state(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (tmp_path / "two").mkdir()
+    save_adapter(second, tmp_path / "two")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):  # deterministic: same adapter, same bytes
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+@pytest.mark.parametrize(("saved", "message"), [
+    ({"lora_rank": 8}, "lora_A.weight is [8, 128], --lora-rank makes it [4, 128]"),
+    ({"lora_targets": "q_proj"}, "tensor names differ from --lora-targets; lacks"),
+])
+def test_resuming_from_another_adapter_is_refused_naming_the_file(base, tmp_path, saved,
+                                                                  message):
+    (tmp_path / "adapter").mkdir()
+    save_adapter(wrapped(base, **saved), tmp_path / "adapter")
+    with pytest.raises(ckpt.CheckpointError) as error:
+        load_adapter_weights(wrapped(base), tmp_path / "adapter")
+    assert str(error.value).startswith(str(tmp_path / "adapter" / ADAPTER_WEIGHTS) + ":")
+    assert message in str(error.value)
+    with pytest.raises(ckpt.CheckpointError, match="no adapter weights"):
+        load_adapter_weights(wrapped(base), tmp_path)
+
+
+def test_the_base_fingerprint_follows_the_bytes_not_the_path(base, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    assert base_fingerprint(str(copy)) == base_fingerprint(str(base))
+    weights_file = copy / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    weights_file.write_bytes(bytes(data))
+    assert base_fingerprint(str(copy)) != base_fingerprint(str(base))
+
+
+def test_a_handmade_adapter_merges_into_the_weights_peft_computes(base, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_ckpt = handmade_checkpoint(base, tmp_path / "adapter")
+    merged = export_merged(adapter_ckpt, tmp_path / "merged")
+    assert merged == tmp_path / "merged" / "step-000005"
+    assert ckpt.latest_checkpoint(tmp_path / "merged") == merged  # what deploy looks for
+    extra = ckpt.verify_checkpoint(merged).extra
+    assert extra == {"kind": "full", "merged_from": str(adapter_ckpt),
+                     "base_fingerprint": base_fingerprint(str(base))}
+    lora = adapter(adapter_ckpt)
+    prefix = "base_model.model.model.layers.1.mlp.down_proj"
+    expected = (weights(base)["model.layers.1.mlp.down_proj.weight"]
+                + (8 / 4) * lora[f"{prefix}.lora_B.weight"] @ lora[f"{prefix}.lora_A.weight"])
+    assert torch.allclose(weights(merged)["model.layers.1.mlp.down_proj.weight"], expected,
+                          atol=1e-6)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        unmerged = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            str(adapter_ckpt)).eval()
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        full = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        assert not torch.allclose(plain(ids).logits, unmerged(ids).logits, atol=1e-3)
+        assert torch.allclose(full(ids).logits, unmerged(ids).logits, atol=1e-5)
+
+
+def test_export_merged_refuses_a_base_that_is_gone_and_a_kind_it_does_not_know(base,
+                                                                                tmp_path):
+    gone = tmp_path / "gone"
+    shutil.copytree(base, gone)
+    adapter_ckpt = handmade_checkpoint(gone, tmp_path / "adapter")
+    shutil.rmtree(gone)
+    with pytest.raises(LoraError, match=f"^{re.escape(str(gone))}: no such directory;"):
+        export_merged(adapter_ckpt, tmp_path / "out")
+    odd = ckpt.write_checkpoint(tmp_path / "odd", 1, lambda tmp: None, base_model=str(base),
+                                loss=None, world_size=1, extra={"kind": "qlora"})
+    with pytest.raises(LoraError, match=r"is not a LoRA adapter checkpoint .*kind 'qlora'"):
+        export_merged(odd, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_must_keep_the_adapter_settings_and_the_base(base, tmp_path):
+    meta = ckpt.read_meta(handmade_checkpoint(base, tmp_path / "adapter"))
+    check_resumable(meta, lora_cfg(base))
+    with pytest.raises(LoraError, match=r"^lora_rank: the run being resumed used 4, not 8;"):
+        check_resumable(meta, lora_cfg(base, lora_rank=8, lora_alpha=16))
+    with pytest.raises(LoraError, match=r"^lora_alpha: the run being resumed used 8\.0, not 4\.0"):
+        check_resumable(meta, lora_cfg(base, lora_alpha=4))
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    (other / "config.json").write_text((base / "config.json").read_text() + "\n")
+    with pytest.raises(LoraError, match=f"^model: {re.escape(str(other))} is not the base"):
+        check_resumable(meta, lora_cfg(other))

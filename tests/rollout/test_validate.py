@@ -140,7 +140,13 @@ def test_a_truncated_safetensors_header_is_refused(tiny_model, served, tmp_path)
     assert error.status == 422 and "not a safetensors file" in error.message
 
 
-def test_a_lora_adapter_checkpoint_is_refused_where_full_weights_are_needed(served, tmp_path):
+@pytest.mark.parametrize(("kind", "message"), [
+    ("lora", "is a LoRA adapter (kind lora), not full weights; write merged weights with "
+             "`dpserve export-merged"),
+    ("qlora", "holds kind 'qlora' (see extra in dpserve.json), not full weights"),
+])
+def test_an_adapter_checkpoint_is_refused_where_full_weights_are_needed(served, tmp_path,
+                                                                        kind, message):
     from dpserve.checkpoint import write_checkpoint
 
     def adapter(tmp: Path) -> None:
@@ -148,8 +154,7 @@ def test_a_lora_adapter_checkpoint_is_refused_where_full_weights_are_needed(serv
         (tmp / "adapter_model.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
 
     ckpt_dir = write_checkpoint(tmp_path, 3, adapter, base_model="base", loss=None,
-                                world_size=1, extra={"kind": "lora", "lora_rank": 4})
+                                world_size=1, extra={"kind": kind, "lora_rank": 4})
     error = refusal(ckpt_dir, served)
     assert error.status == 422
-    assert "is a LoRA adapter (kind lora), not full weights" in error.message
-    assert "dpserve export-merged" in error.message
+    assert error.message.startswith(f"{ckpt_dir}: {message}")
