@@ -6,21 +6,31 @@
 - `ActivationMeter`: bytes the autograd graph saves for the backward during one
   forward (`saved_tensors_hooks`), parameters excluded. The forward saves, the
   backward frees, so the total saved by the end of the forward is the peak of what
-  the graph holds; temporaries the forward frees at once are not counted (on GPU,
-  `torch.cuda.max_memory_allocated` covers them).
-- `peak_rss_bytes`: the process' high-water mark (Linux), everything included.
+  the graph holds. Cheap, and the same under every strategy (the plan's
+  `activations` row). What it does not see: the forward's temporaries (at the loss,
+  the logits and their shifted copy beside log-softmax's output) and, under
+  activation checkpointing, the layer being recomputed in the backward — the
+  plan's `peak transient` row, measured by `LiveMeter`.
+- `LiveMeter`: the peak of everything one forward and backward allocates, the
+  gradients it leaves excluded (saved activations + transients). Watches every
+  operator, so it is for calibration and benchmarks, not the trainer.
+- `peak_rss_bytes` / `peak_device_bytes`: the process' and the GPU's high-water marks,
+  everything included.
 """
 
 from __future__ import annotations
 
 import json
 import resource
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode  # unannotated: type: ignores below
+from torch.utils._pytree import tree_leaves
 
 from dpserve.finetune.config import FinetuneConfig
 from dpserve.finetune.dist import Dist
@@ -56,7 +66,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """{"weights", "grads", "optimizer"}: bytes this rank holds for each."""
+    """{"weights", "grads", "optimizer"}: bytes this rank holds for each. Call it after
+    `optimizer.step()` and before `zero_grad`, when all three exist."""
     params = list(model.parameters())
     return {
         "weights": _nbytes(params),
@@ -67,7 +78,12 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 class ActivationMeter:
     """Around one forward and backward: `peak_bytes` = what the forward saved for the
-    backward, each storage once, parameters (and their gathered copies) excluded."""
+    backward, each storage once, parameters (and their gathered copies) excluded.
+
+    Under non-reentrant activation checkpointing the checkpointed layers save through
+    checkpoint's own hooks, so what is counted is each layer's input (which the
+    checkpoint keeps for the recompute) and the graph outside the layers; the
+    recompute itself happens in the backward, one layer at a time, and is not counted."""
 
     def __init__(self) -> None:
         self.peak_bytes = 0
@@ -101,9 +117,92 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
+class _StorageWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every storage an operator allocates, from its allocation to its release, as a
+    list of events: (allocation id, bytes) when allocated, (allocation id, -1) when
+    freed. An output sharing an input's storage (a view, an in-place op) is no new
+    allocation, which is how views of the weights stay out."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.events: list[tuple[int, int]] = []
+        self.live: dict[tuple[str, int], tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
+
+    def _freed(self, key: tuple[str, int], allocation: int) -> Callable[[object], None]:
+        def callback(_: object) -> None:
+            self.events.append((allocation, -1))
+            self.live.pop(key, None)
+        return callback
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = _storage_key(t)
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            allocation = len(self.events)
+            self.live[key] = (allocation, weakref.ref(storage, self._freed(key, allocation)))
+            self.events.append((allocation, storage.nbytes()))
+        return out
+
+
+class LiveMeter:
+    """Around one forward and backward of `model`: `peak_bytes` = the most bytes the
+    step's tensors occupied at once — saved activations, the forward's temporaries,
+    a checkpointed layer's recompute, activation gradients — less the parameter
+    gradients the step leaves behind (the plan counts those as gradients).
+
+    Every operator goes through Python while it is active: several times slower, for
+    calibration and benchmarks. Use it on an unwrapped model or DDP; under fsdp it
+    would also count the all-gather buffers and, in the first step, FSDP's lazy
+    initialisation."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.peak_bytes = 0
+        self._model = model
+        self._watch = _StorageWatch()
+
+    def __enter__(self) -> LiveMeter:
+        self._watch.__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._watch.__exit__(*exc)  # type: ignore[no-untyped-call]
+        grads = {_storage_key(_local(p.grad)) for p in self._model.parameters()
+                 if p.grad is not None}
+        left = {self._watch.live[k][0] for k in grads if k in self._watch.live}
+        self._watch.live.clear()  # drops the weak references: no more events
+        held: dict[int, int] = {}
+        now = 0
+        for allocation, nbytes in self._watch.events:
+            if allocation in left:
+                continue
+            if nbytes < 0:
+                now -= held.pop(allocation, 0)
+            else:
+                held[allocation] = nbytes
+                now += nbytes
+            self.peak_bytes = max(self.peak_bytes, now)
+
+
 def peak_rss_bytes() -> int:
     """The process' peak resident set size (ru_maxrss is KiB on Linux)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_device_bytes(device: torch.device) -> int | None:
+    """The most memory torch's allocator has handed out on `device` (a CUDA GPU) since
+    the process started or `torch.cuda.reset_peak_memory_stats`; None on CPU, where
+    `peak_rss_bytes` is the figure."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
 
 
 def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Path) -> None:
@@ -122,4 +221,6 @@ def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Pa
     print(f"memory on rank 0 after step 1: weights {mib['weights']:,.1f} MiB, gradients "
           f"{mib['grads']:,.1f} MiB, optimizer {mib['optimizer']:,.1f} MiB, activations "
           f"{mib['activations']:,.1f} MiB (first micro-batch); process peak "
-          f"{mib['peak_rss']:,.0f} MiB", flush=True)
+          f"{mib['peak_rss']:,.0f} MiB"
+          + (f", GPU peak {mib['peak_device']:,.0f} MiB" if "peak_device" in mib else ""),
+          flush=True)

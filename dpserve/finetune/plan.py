@@ -12,13 +12,25 @@ meta device (no weights read, any size). The bytes follow what the trainer does:
 
 P parameters, A adapter parameters, N ranks. Activations, per token of a micro-batch
 (elements; 4 bytes each in fp32 on CPU, about 2 under bf16 autocast on GPU, plus the
-fp32 loss): 8h + 4i + 2·kv per decoder layer (h hidden, i MLP width, kv the key/value
-width), and 3h + V for the embedding, final norm and loss (V vocabulary) — fitted to
-what autograd saves in transformers' Llama with SDPA attention (no s² term) and
-checked against `memory.ActivationMeter` in the tests. With activation checkpointing
-a layer keeps only its input (h) plus one layer's activations during its recompute.
-Allocator slack, the framework itself (~0.5 GiB per process) and communication
-buffers come on top: the verdict keeps 10% headroom.
+fp32 loss): 8h + 4i + 2·kv saved per decoder layer (h hidden, i MLP width, kv the
+key/value width), and 3h + V for the embedding, final norm and loss (V vocabulary) —
+fitted to what autograd saves in transformers' Llama with SDPA attention (no s² term)
+and checked against `memory.ActivationMeter` in the tests. With activation
+checkpointing a layer saves only its input (h).
+
+On top of what is saved, the step's peak holds a transient: at the loss, the logits
+and their shifted copy (`logits[:, :-1]` reshaped) beside log-softmax's output, 2V
+per token (fp32 on CPU; bf16 logits + an fp32 copy on GPU); or, if larger, in the
+last layer's backward (the loss's tensors are gone by then) its gradient
+temporaries, 2i + h, plus under activation checkpointing the layer's recompute.
+With a large vocabulary the logits win, and they are most of the activation memory
+an activation-checkpointed run needs: Llama 3's V = 128256 is 31 x h.
+`memory.LiveMeter` measures the peak in the tests. Allocator slack, the framework
+itself (~0.5 GiB per process) and communication buffers come on top: the verdict
+keeps 10% headroom.
+
+The GPU figures (bf16 autocast) follow the same count in 2-byte elements but have
+not been measured on a GPU: the tests run on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -71,10 +84,13 @@ class Estimate:
     optimizer: float
     gathered: float
     activations: float
+    transient: float
+    """On top of the saved activations at the step's peak (see the module docstring)."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.gathered + self.activations
+        return (self.weights + self.grads + self.optimizer + self.gathered
+                + self.activations + self.transient)
 
 
 class PlanError(ValueError):
@@ -107,27 +123,52 @@ def model_shape(model_dir: str, lora_targets: list[str]) -> Shape:
         vocab=text.vocab_size, lora_params_per_rank=lora)
 
 
+class _PerToken(NamedTuple):
+    """Bytes per token of a micro-batch."""
+
+    layer: int
+    """What one decoder layer saves for its backward."""
+    head: int
+    """What the embedding, the final norm, the LM head and the loss save."""
+    logits: int
+    """The loss's transient: the logits and their shifted copy."""
+    backward: int
+    """A layer's backward temporaries at their peak (the MLP's two input gradients and
+    one hidden-sized gradient: 2i + h, measured)."""
+
+
+def _per_token(shape: Shape, setup: Setup) -> _PerToken:
+    h, i = shape.hidden, shape.intermediate
+    per_layer = 8 * h + 4 * i + 2 * shape.kv_width
+    head = 4 * (3 * h + shape.vocab)  # log-softmax's output is fp32 everywhere
+    if setup.gpu:  # bf16 autocast (2 bytes), the norms in fp32; bf16 logits, fp32 copy
+        return _PerToken(2 * per_layer + 8 * h, head, (2 + 4) * shape.vocab, 2 * (2 * i + h))
+    return _PerToken(4 * per_layer, head, (4 + 4) * shape.vocab, 4 * (2 * i + h))
+
+
 def activation_bytes(shape: Shape, setup: Setup) -> float:
-    """What one micro-batch's forward saves for its backward."""
-    tokens = setup.micro_batch * setup.seq_len
-    per_layer = 8 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_width
-    if setup.gpu:  # bf16 autocast: 2 bytes, the norms in fp32; logits cast to fp32 twice
-        layer_b, head = 2 * per_layer + 8 * shape.hidden, 4 * 3 * shape.hidden + 10 * shape.vocab
-        elem = 2
-    else:
-        layer_b, head = 4 * per_layer, 4 * (3 * shape.hidden + shape.vocab)
-        elem = 4
-    if setup.activation_checkpointing:
-        layers = shape.layers * elem * shape.hidden + layer_b  # inputs + one recompute
-    else:
-        layers = shape.layers * layer_b
-    return float(tokens * (layers + head))
+    """What one micro-batch's forward saves for its backward (what
+    `memory.ActivationMeter` measures)."""
+    t = _per_token(shape, setup)
+    # Under activation checkpointing a layer keeps only its input, for the recompute.
+    layer = (2 if setup.gpu else 4) * shape.hidden if setup.activation_checkpointing else t.layer
+    return float(setup.micro_batch * setup.seq_len * (shape.layers * layer + t.head))
+
+
+def transient_bytes(shape: Shape, setup: Setup) -> float:
+    """What the step's peak holds on top of the saved activations: at the loss, its
+    logits; or, when larger, in the last layer's backward (the loss's tensors freed by
+    then), that layer's gradient temporaries, plus its recompute under activation
+    checkpointing."""
+    t = _per_token(shape, setup)
+    in_layer = t.backward + (t.layer if setup.activation_checkpointing else 0) - t.head
+    return float(setup.micro_batch * setup.seq_len * max(t.logits, in_layer))
 
 
 def estimate(shape: Shape, setup: Setup) -> Estimate:
     n = setup.world_size
     p = shape.params
-    act = activation_bytes(shape, setup)
+    act = activation_bytes(shape, setup), transient_bytes(shape, setup)
     a = shape.lora_params_per_rank * setup.lora_rank if setup.lora_rank is not None else 0
     if setup.strategy == "fsdp":
         compute = 2 if setup.gpu else 4
@@ -137,14 +178,14 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
         else:  # every layer stays gathered from its forward to its backward
             gathered = compute * p
         if setup.lora_rank is not None:  # frozen base: gradients for the adapter only
-            return Estimate(4 * (p + a) / n, 4 * a / n, 8 * a / n, float(gathered), act)
+            return Estimate(4 * (p + a) / n, 4 * a / n, 8 * a / n, float(gathered), *act)
         gathered += 4 * shape.layer_params  # one layer's full gradients before reduce-scatter
-        return Estimate(4 * p / n, 4 * p / n, 8 * p / n, float(gathered), act)
+        return Estimate(4 * p / n, 4 * p / n, 8 * p / n, float(gathered), *act)
     if setup.lora_rank is not None:
         opt = 8 * a / (n if setup.strategy == "zero1" else 1)
-        return Estimate(4 * (p + a), 4 * a, opt, 0.0, act)
+        return Estimate(4 * (p + a), 4 * a, opt, 0.0, *act)
     opt = 8 * p / (n if setup.strategy == "zero1" else 1)
-    return Estimate(4 * p, 4 * p, opt, 0.0, act)
+    return Estimate(4 * p, 4 * p, opt, 0.0, *act)
 
 
 def device_memory(local_ranks: int, override_gib: float | None) -> tuple[float, str]:
@@ -191,7 +232,8 @@ def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: st
     for label, value in (("weights", chosen.weights), ("gradients", chosen.grads),
                          ("optimizer (AdamW)", chosen.optimizer),
                          ("gathered parameters", chosen.gathered),
-                         ("activations", chosen.activations), ("total", chosen.total)):
+                         ("activations", chosen.activations),
+                         ("peak transient", chosen.transient), ("total", chosen.total)):
         lines.append(f"  {label:<22}{_fmt(value):>14}")
     lines += [f"  device: {where}; {_verdict(chosen.total, budget)} "
               f"(keeping {100 - 100 * HEADROOM:.0f}% headroom)", "",

@@ -39,7 +39,13 @@ from dpserve.config import ConfigError
 from dpserve.finetune.config import FinetuneConfig, add_arguments, build_finetune_config
 from dpserve.finetune.data import DataError, ExampleDataset, collate, load_dataset
 from dpserve.finetune.dist import Dist, setup_distributed
-from dpserve.finetune.memory import ActivationMeter, peak_rss_bytes, report_memory, state_bytes
+from dpserve.finetune.memory import (
+    ActivationMeter,
+    peak_device_bytes,
+    peak_rss_bytes,
+    report_memory,
+    state_bytes,
+)
 from dpserve.finetune.progress import LossLog, Progress
 from dpserve.finetune.state import load_train_state, save
 from dpserve.finetune.strategy import Parallel, wrap
@@ -314,6 +320,9 @@ def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch
     if meter is not None:
         held = {**state_bytes(par.model, par.optimizer), "activations": meter.peak_bytes,
                 "peak_rss": peak_rss_bytes()}
+        device_peak = peak_device_bytes(d.device)  # None on CPU
+        if device_peak is not None:
+            held["peak_device"] = device_peak
     par.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     with par.comm.blocking():
