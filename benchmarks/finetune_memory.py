@@ -17,7 +17,7 @@ fsdp weights+grads+optimizer (ideal 1/world), zero1 optimizer (ideal 1/world),
 LoRA trainable+optimizer state, fsdp throughput.
 
     python benchmarks/finetune_memory.py [--steps 8] [--global-batch 8] [--seq-words 40]
-                                         [--lora-rank 16] [--model build/llama-150m]
+                                         [--lora-rank 8] [--model build/llama-150m]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-words", type=int, default=40, help="words per completion")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, default=8)
     args = p.parse_args()
     if args.global_batch % 2:
         p.error("--global-batch must be even (it is split over 2 ranks)")
