@@ -117,11 +117,38 @@ def _fully_shard(model: torch.nn.Module, cfg: FinetuneConfig, d: Dist) -> None:
     # everything stays fp32 (bf16 matmuls there are slow and the tests compare to 1e-5).
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if d.device.type == "cuda" else MixedPrecisionPolicy())
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
     # The root (embeddings, final norm, LM head) is needed right after the forward
     # anyway: keeping it gathered saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, mp_policy=mp)
+    if d.device.type == "cpu":
+        _prefetch_explicitly(model, layers)
+
+
+def _prefetch_explicitly(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """Overlap each layer's all-gather with the previous layer's compute on CPU.
+
+    FSDP2 overlaps through CUDA streams; on CPU its all-gathers are synchronous, so a
+    rank computes nothing while it gathers (measured: 54% of a 156M model's step). An
+    asynchronous unshard runs the all-gather on Gloo's thread while this one computes;
+    the next layer is prefetched in forward, the previous one in backward. (The
+    reduce-scatter stays synchronous: FSDP2 issues it without `async_op`.) Measured
+    on 2 ranks, 156M model: 0.47x -> 0.62x ddp's samples/s (ZeRO-2: 0.62x -> 0.72x),
+    benchmarks/finetune_memory.py."""
+    from torch.distributed.fsdp import FSDPModule
+
+    set_async = getattr(model, "_set_unshard_async_op", None)
+    if set_async is None:  # a torch without the switch: the default, synchronous path
+        return
+    set_async(True)
+    shards = [layer for layer in layers if isinstance(layer, FSDPModule)]
+    for i, layer in enumerate(shards):
+        if i + 1 < len(shards):
+            layer.set_modules_to_forward_prefetch([shards[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([shards[i - 1]])
 
 
 def _checkpoint_layers(model: torch.nn.Module) -> None:
