@@ -46,6 +46,10 @@ META_FILE = "dpserve.json"
 FORMAT_VERSION = 1
 STATE_DIR = "train-state"
 STATE_MARKER = "complete"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""What a LoRA adapter checkpoint (kind lora) holds besides dpserve.json: peft's files,
+as vLLM's `--enable-lora` loads them."""
 
 MAX_META_BYTES = 16 * 1024 * 1024
 """Largest dpserve.json (or other JSON metadata) read; a real one is a few KiB."""
@@ -169,6 +173,23 @@ def sha256_file(path: Path) -> str:
     """sha256 hex of a regular file's bytes, read in chunks."""
     with os.fdopen(open_regular(path), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def base_fingerprint(model_dir: str | Path) -> str:
+    """sha256 hex over, in this order, config.json and every *.safetensors file directly
+    in `model_dir` sorted by name, each contributing `name NUL sha256hex(content)`:
+    an adapter only fits the exact weights it was trained on. Files are hashed in
+    chunks (memory stays flat); the cost is one read of the weights, ~1 s per GB.
+    A hub id (no local directory) is fingerprinted by its name."""
+    base = Path(model_dir)
+    digest = hashlib.sha256()
+    if not base.is_dir():
+        digest.update(f"hub:{model_dir}".encode())
+        return digest.hexdigest()
+    for path in [base / "config.json", *sorted(base.glob("*.safetensors"))]:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + sha256_file(path).encode())
+    return digest.hexdigest()
 
 
 def write_checkpoint(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -433,3 +434,15 @@ def test_prune_keeps_at_least_one(tmp_path):
             ckpt.prune_checkpoints(tmp_path, keep_last=keep)
     assert ckpt.prune_checkpoints(tmp_path, keep_last=1) == []
     assert ckpt.prune_checkpoints(tmp_path / "missing", keep_last=1) == []
+
+
+def test_the_base_fingerprint_follows_the_bytes_not_the_path(tiny_model, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model, copy)
+    assert ckpt.base_fingerprint(copy) == ckpt.base_fingerprint(str(tiny_model))
+    weights_file = copy / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    weights_file.write_bytes(bytes(data))
+    assert ckpt.base_fingerprint(copy) != ckpt.base_fingerprint(tiny_model)
+    assert ckpt.base_fingerprint("org/model") != ckpt.base_fingerprint("org/other")

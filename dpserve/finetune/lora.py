@@ -17,7 +17,6 @@ adapter file that does not fit the model it is loaded into (resume).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,9 +26,6 @@ import torch
 
 from dpserve import checkpoint as ckpt
 from dpserve.finetune.config import FinetuneConfig, lora_targets
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class LoraError(ValueError):
@@ -126,10 +122,10 @@ def save_adapter(model: torch.nn.Module, out_dir: Path,
     peft_config: Any = model.peft_config["default"]  # type: ignore[index]
     if state is None:
         state = full_adapter_state(model)
-    save_file(state, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(state, str(out_dir / ckpt.ADAPTER_WEIGHTS), metadata={"format": "pt"})
     peft_config.save_pretrained(str(out_dir))
     # peft writes target_modules from a set: sorted, the file is the same on every save.
-    path = out_dir / ADAPTER_CONFIG
+    path = out_dir / ckpt.ADAPTER_CONFIG
     config = json.loads(path.read_text())
     config["target_modules"] = sorted(config["target_modules"])
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -143,7 +139,7 @@ def load_adapter_weights(model: torch.nn.Module, adapter_dir: Path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    path = Path(adapter_dir) / ckpt.ADAPTER_WEIGHTS
     if not path.is_file():
         raise ckpt.CheckpointError(f"{path}: no adapter weights")
     try:
@@ -164,23 +160,6 @@ def load_adapter_weights(model: torch.nn.Module, adapter_dir: Path) -> None:
     set_peft_model_state_dict(model, saved)
 
 
-def base_fingerprint(model_dir: str) -> str:
-    """sha256 hex over, in this order, config.json and every *.safetensors file directly
-    in `model_dir` sorted by name, each contributing `name NUL sha256hex(content)`:
-    an adapter only fits the exact weights it was trained on. Files are hashed in
-    chunks (memory stays flat); the cost is one read of the weights, ~1 s per GB.
-    A hub id (no local directory) is fingerprinted by its name."""
-    base = Path(model_dir)
-    digest = hashlib.sha256()
-    if not base.is_dir():
-        digest.update(f"hub:{model_dir}".encode())
-        return digest.hexdigest()
-    for path in [base / "config.json", *sorted(base.glob("*.safetensors"))]:
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + ckpt.sha256_file(path).encode())
-    return digest.hexdigest()
-
-
 def adapter_meta_extra(cfg: FinetuneConfig, *, fingerprint: str | None = None
                        ) -> dict[str, Any]:
     """What `dpserve.json` records about an adapter checkpoint. `fingerprint`: the
@@ -188,7 +167,7 @@ def adapter_meta_extra(cfg: FinetuneConfig, *, fingerprint: str | None = None
     weight byte); computed here when not given."""
     return {"kind": "lora", "lora_rank": cfg.lora_rank, "lora_alpha": alpha(cfg),
             "lora_targets": lora_targets(cfg),
-            "base_fingerprint": fingerprint or base_fingerprint(cfg.model)}
+            "base_fingerprint": fingerprint or ckpt.base_fingerprint(cfg.model)}
 
 
 def check_resumable(meta: ckpt.CheckpointMeta, cfg: FinetuneConfig) -> None:
@@ -201,7 +180,7 @@ def check_resumable(meta: ckpt.CheckpointMeta, cfg: FinetuneConfig) -> None:
         if saved.get(name) != now:
             raise LoraError(f"{name}: the run being resumed used {saved.get(name)!r}, "
                             f"not {now!r}; resume with the same setting, or a new --output")
-    if saved.get("base_fingerprint") != base_fingerprint(cfg.model):
+    if saved.get("base_fingerprint") != ckpt.base_fingerprint(cfg.model):
         raise LoraError(f"model: {cfg.model} is not the base the run being resumed was "
                         "trained on (its config or weights changed since)")
 
@@ -235,7 +214,7 @@ def export_merged(adapter_ckpt: Path, output: Path, *, base_fingerprint_now: str
     if not Path(base).is_dir() and (base.startswith((".", "/", "~")) or base.count("/") > 1):
         raise LoraError(f"{base}: no such directory; it is the base model {adapter_ckpt} "
                         f"names in its {ckpt.META_FILE}")
-    now = base_fingerprint_now or base_fingerprint(base)
+    now = base_fingerprint_now or ckpt.base_fingerprint(base)
     if now != meta.extra.get("base_fingerprint"):
         raise LoraError(f"{base}: is not the base model {adapter_ckpt} was trained on "
                         "(its config or weights changed since)")

@@ -157,9 +157,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     stop = StopFlag()
     fingerprint = None  # of the base a LoRA adapter belongs to: hashed once, by rank 0
     if cfg.lora_rank is not None and d.master:
-        from dpserve.finetune.lora import base_fingerprint
-
-        fingerprint = base_fingerprint(cfg.model)
+        fingerprint = ckpt.base_fingerprint(cfg.model)
     log = LossLog(output / "loss.csv", keep_until=t.start_step) if d.master else None
     progress = Progress(enabled=d.master, total=data.max_steps, start=t.start_step)
     if d.master:

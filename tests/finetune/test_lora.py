@@ -15,21 +15,20 @@ import torch
 from safetensors.torch import load_file
 
 from dpserve import checkpoint as ckpt
+from dpserve.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_fingerprint
 from dpserve.finetune.config import FinetuneConfig, build_finetune_config
 from dpserve.finetune.lora import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     LoraError,
     adapter_meta_extra,
     adapter_state,
     apply_lora,
-    base_fingerprint,
     check_resumable,
     check_targets,
     export_merged,
     load_adapter_weights,
     save_adapter,
 )
+from dpserve.rollout.validate_adapter import validate_adapter
 from tests.finetune_helpers import finetune, plan_matches, trained, weights, write_train_data
 
 STEPS = 3
@@ -308,15 +307,12 @@ def test_resuming_from_another_adapter_is_refused_naming_the_file(base, tmp_path
         load_adapter_weights(wrapped(base), tmp_path)
 
 
-def test_the_base_fingerprint_follows_the_bytes_not_the_path(base, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(base, copy)
-    assert base_fingerprint(str(copy)) == base_fingerprint(str(base))
-    weights_file = copy / "model.safetensors"
-    data = bytearray(weights_file.read_bytes())
-    data[-1] ^= 1  # one bit of the last tensor
-    weights_file.write_bytes(bytes(data))
-    assert base_fingerprint(str(copy)) != base_fingerprint(str(base))
+def test_an_adapter_dpserve_writes_passes_the_rollouts_adapter_validation(base, tmp_path):
+    adapter_ckpt = handmade_checkpoint(base, tmp_path)
+    info = validate_adapter(adapter_ckpt, ckpt.verify_checkpoint(adapter_ckpt),
+                            served_base=base, served_fingerprint=base_fingerprint(base),
+                            max_lora_rank=4)
+    assert (info.rank, info.alpha, len(info.targets)) == (4, 8.0, 7)
 
 
 def test_a_handmade_adapter_merges_into_the_weights_peft_computes(base, tmp_path):
