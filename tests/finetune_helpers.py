@@ -12,6 +12,10 @@ from safetensors.torch import load_file
 
 from dpserve import checkpoint as ckpt
 
+STEPS = 4
+"""Optimizer steps of the one-rank reference run (conftest `world_1_batch_8`) and of
+the runs compared with it."""
+
 
 def write_train_data(path: Path, n: int = 48) -> Path:
     """Deterministic JSONL mixing prompt/completion and chat examples of varied length."""

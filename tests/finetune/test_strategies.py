@@ -17,20 +17,14 @@ import torch
 
 from dpserve import checkpoint as ckpt
 from tests.finetune_helpers import (
+    STEPS,
     finetune,
     plan_matches,
     trained,
     weights,
-    write_train_data,
 )
 
-STEPS = 4
 RTOL = 1e-5  # parameters after STEPS steps, relative to each tensor's largest value
-
-
-@pytest.fixture(scope="module")
-def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_train_data(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -39,41 +33,35 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 @pytest.fixture(scope="module")
-def ddp_world_1(tiny_model, train_data, tmp_path_factory) -> Path:
-    return trained(tiny_model, train_data, tmp_path_factory.mktemp("ddp1"), nproc=1,
-                   micro_batch_size=8, max_steps=STEPS)
-
-
-@pytest.fixture(scope="module")
 def fsdp_world_2(tiny_model, train_data, tmp_path_factory) -> Path:
     return trained(tiny_model, train_data, tmp_path_factory.mktemp("fsdp2"), nproc=2,
                    micro_batch_size=4, max_steps=STEPS, strategy="fsdp", log_every=1)
 
 
-def test_fsdp_on_two_ranks_trains_what_one_rank_trains(tiny_model, ddp_world_1, fsdp_world_2):
+def test_fsdp_on_two_ranks_trains_what_one_rank_trains(tiny_model, world_1_batch_8, fsdp_world_2):
     assert max_rel_diff(weights(fsdp_world_2), weights(tiny_model)) > 1e-3  # it trained
-    assert max_rel_diff(weights(fsdp_world_2), weights(ddp_world_1)) <= RTOL
+    assert max_rel_diff(weights(fsdp_world_2), weights(world_1_batch_8)) <= RTOL
 
 
-def test_zero1_trains_what_ddp_trains(tiny_model, train_data, tmp_path, ddp_world_1):
+def test_zero1_trains_what_ddp_trains(tiny_model, train_data, tmp_path, world_1_batch_8):
     zero1 = trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=4,
                     max_steps=STEPS, strategy="zero1")
-    assert max_rel_diff(weights(zero1), weights(ddp_world_1)) <= RTOL
+    assert max_rel_diff(weights(zero1), weights(world_1_batch_8)) <= RTOL
     assert ckpt.read_meta(zero1).extra["strategy"] == "zero1"
     memory = json.loads((tmp_path / "memory.json").read_text())
     plan_matches(tiny_model, memory)  # each rank holds half of AdamW's state
-    ddp = json.loads((ddp_world_1.parent / "memory.json").read_text())["ranks"][0]
+    ddp = json.loads((world_1_batch_8.parent / "memory.json").read_text())["ranks"][0]
     assert memory["ranks"][0]["optimizer"] <= 0.51 * ddp["optimizer"]
 
 
 def test_fsdp_zero2_with_activation_checkpointing_and_accumulation_trains_the_same(
-        tiny_model, train_data, tmp_path, ddp_world_1):
+        tiny_model, train_data, tmp_path, world_1_batch_8):
     """Keeping gathered layers to the backward, recomputing activations and syncing
     gradients only on the last micro-batch change memory and traffic, not the update."""
     run = trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2,
                   grad_accum=2, max_steps=STEPS, strategy="fsdp",
                   reshard_after_forward=False, activation_checkpointing=True)
-    assert max_rel_diff(weights(run), weights(ddp_world_1)) <= RTOL
+    assert max_rel_diff(weights(run), weights(world_1_batch_8)) <= RTOL
 
 
 def test_fsdp_saves_servable_weights_and_sharded_training_state(tiny_model, fsdp_world_2):

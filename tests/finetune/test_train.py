@@ -19,33 +19,21 @@ import torch
 
 from dpserve import checkpoint as ckpt
 from tests.finetune_helpers import (
+    STEPS,
     finetune,
     finetune_argv,
     trained,
     weights,
-    write_train_data,
 )
 from tests.procs import process_alive
 
-STEPS = 4
 # fp32 on CPU; sums in another order (2 ranks vs 1) differ by rounding only.
 ATOL = 2e-6
-
-
-@pytest.fixture(scope="session")
-def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_train_data(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-@pytest.fixture(scope="module")
-def world_1_batch_8(tiny_model, train_data, tmp_path_factory) -> Path:
-    return trained(tiny_model, train_data, tmp_path_factory.mktemp("w1b8"), nproc=1,
-                   micro_batch_size=8, max_steps=STEPS)
 
 
 @pytest.fixture(scope="module")
