@@ -63,6 +63,17 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--snapshot-dir", metavar="DIR",
                    help="where deploys copy checkpoints before checking them; engines load "
                         "the copy")
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", default=None,
+                      help="replicas take LoRA adapters at run time (serve: starts them so)")
+    lora.add_argument("--max-loras", type=int,
+                      help="adapters a replica computes with at once (default 1)")
+    lora.add_argument("--max-lora-rank", type=int,
+                      help="largest adapter rank the replicas accept (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int,
+                      help="adapters a replica keeps in host memory (default: --max-loras)")
+    lora.add_argument("--lora", action="append", dest="loras", metavar="NAME=DIR",
+                      help="deploy the adapter checkpoint DIR as NAME at start (repeat)")
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 

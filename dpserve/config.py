@@ -185,6 +185,22 @@ class RouterConfig:
     copy, which only the router writes, so they load exactly the bytes that were
     checked. Default for `dpserve serve`: RUN_DIR/snapshots; `dpserve router` needs it
     (on storage every engine reads) to deploy."""
+    enable_lora: bool = False
+    """Replicas take LoRA adapters at run time (`dpserve deploy ADAPTER --name NAME`):
+    `dpserve serve` starts each with vLLM's `--enable-lora` and run-time adapter loading;
+    for `dpserve router` it states that the replicas were started so."""
+    max_loras: int = 1
+    """Adapters one replica computes with at once (vLLM's `--max-loras`); a request for
+    another waits for a slot. Fewer than the adapters in use makes routing matter."""
+    max_lora_rank: int = 16
+    """Largest adapter rank the replicas accept (vLLM's `--max-lora-rank`; memory is
+    reserved for it); a deploy of a higher rank is refused before any replica changes."""
+    max_cpu_loras: int | None = None
+    """Adapters one replica keeps loaded in host memory (vLLM's `--max-cpu-loras`);
+    default: vLLM's (`max_loras`). Every deployed version counts while it serves."""
+    loras: list[str] | None = None
+    """Adapters deployed at start, `NAME=DIR` each (repeat the flag; DPSERVE_LORAS
+    comma-separated), exactly as `dpserve deploy DIR --name NAME` would."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +314,7 @@ def _validate_router(c: RouterConfig) -> None:
     for name in ("discover_interval_s", "deploy_lock_ttl_s"):
         value = getattr(c, name)
         require(value > 0, f"router.{name}", "must be > 0", value)
+    _validate_lora(c)
     require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
                  "breaker_failures"):
@@ -364,6 +381,48 @@ def _validate_admin_exposure(c: RouterConfig) -> None:
             "loopback --admin-port, or accept the risk with --insecure-admin")
 
 
+# vLLM 0.32 accepts these adapter ranks (`LoRAConfig.max_lora_rank`).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# An adapter's name is a path segment, a label and an engine-side name: kept plain. `@`
+# separates a name from its version (`NAME@VERSION` pins a version).
+_LORA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def lora_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter, or None."""
+    if not name or len(name) > 64 or not set(name) <= _LORA_NAME_CHARS or name[0] in ".-":
+        return (f"adapter name {name!r} must be 1-64 letters, digits, '.', '_' or '-', "
+                "not starting with '.' or '-'")
+    return None
+
+
+def parse_lora_spec(spec: str) -> tuple[str, str]:
+    """`NAME=DIR` -> (NAME, DIR); ConfigError naming `router.loras` otherwise."""
+    name, sep, path = spec.partition("=")
+    if not sep or not path:
+        raise ConfigError(f"router.loras: expected NAME=DIR, got {spec!r}")
+    problem = lora_name_problem(name)
+    if problem is not None:
+        raise ConfigError(f"router.loras: {problem}")
+    return name, path
+
+
+def _validate_lora(c: RouterConfig) -> None:
+    require(c.max_loras >= 1, "router.max_loras", "must be >= 1", c.max_loras)
+    require(c.max_lora_rank in LORA_RANKS, "router.max_lora_rank",
+            f"must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's choices)",
+            c.max_lora_rank)
+    if c.max_cpu_loras is not None:
+        require(c.max_cpu_loras >= c.max_loras, "router.max_cpu_loras",
+                f"must be >= max_loras ({c.max_loras})", c.max_cpu_loras)
+    names = [parse_lora_spec(spec)[0] for spec in c.loras or ()]
+    require(len(set(names)) == len(names), "router.loras", "must not name an adapter twice",
+            ",".join(names))
+    if names or c.max_cpu_loras is not None:
+        require(c.enable_lora, "router.enable_lora",
+                "must be set to deploy adapters (--enable-lora)", c.enable_lora)
+
+
 def _validate_serve(c: ServeConfig) -> None:
     require(c.router.discover is None, "router.discover",
              "only `dpserve router` discovers replicas; `serve` starts its own", c.router.discover)
@@ -394,10 +453,14 @@ def _validate_serve(c: ServeConfig) -> None:
              "must be >= restart_backoff_s", c.restart_backoff_max_s)
     for arg in c.vllm_args:
         require(arg.split("=", 1)[0] not in _RESERVED_VLLM_ARGS, "vllm_args",
-                 "must not set --host, --port or --model (dpserve owns them)", arg)
+                 "must not set --host, --port, --model, --served-model-name or the LoRA "
+                 "options (dpserve owns them: use --enable-lora, --max-loras, "
+                 "--max-lora-rank, --max-cpu-loras, --lora)", arg)
 
 
-_RESERVED_VLLM_ARGS = frozenset({"--host", "--port", "--model", "--served-model-name"})
+_RESERVED_VLLM_ARGS = frozenset({"--host", "--port", "--model", "--served-model-name",
+                                 "--enable-lora", "--max-loras", "--max-lora-rank",
+                                 "--max-cpu-loras", "--lora-modules"})
 
 
 def _is_core_set(text: str) -> bool:

