@@ -1,0 +1,144 @@
+"""LoRA adapters served beside the base model: names, versions, and what a request means.
+
+A client asks for an adapter by `NAME` (the version deployed last) or pins one with
+`NAME@VERSION`. Every version is loaded into the engines under its own engine name,
+`NAME@VERSION`, so two versions serve side by side while one replaces the other:
+
+    deploy v2: load NAME@v2 everywhere ─▶ switch NAME to v2 (atomic, no await)
+               ─▶ v1 retires: no new request reaches it, running ones finish on it
+               ─▶ once none is left, unload NAME@v1 everywhere
+
+A request holds a lease on the version it resolved to from the moment it is
+resolved to the moment its response ends, so "none is left" is exact, and every
+request is answered wholly by the version it started on.
+
+The engine name never leaks: the request body sent to a replica names
+`NAME@VERSION`, and the `model` of its answer is renamed back to what the client
+asked for (`rename_model`). Pure state and byte functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from dpserve.router.errors import RouterError
+
+VERSION_SEP = "@"
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    """One deployed version of an adapter and the requests it is answering."""
+
+    name: str
+    version: str
+    path: str
+    """The (snapshot) directory the engines loaded."""
+    rank: int
+    in_flight: int = 0
+    retiring: bool = False
+    """Replaced by a newer version: takes no new request, unloaded once idle."""
+    replicas: set[str] = field(default_factory=set)
+    """Replicas it is loaded on."""
+
+    @property
+    def engine_name(self) -> str:
+        return f"{self.name}{VERSION_SEP}{self.version}"
+
+
+class Adapters:
+    """The adapters a router serves: which version each name means now, and leases."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, AdapterVersion] = {}
+        self._versions: dict[str, AdapterVersion] = {}
+        """Every version loaded somewhere, retiring ones included, by engine name."""
+
+    def __len__(self) -> int:
+        return len(self._versions)
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._current)
+
+    def current(self, name: str) -> AdapterVersion | None:
+        return self._current.get(name)
+
+    def versions(self) -> list[AdapterVersion]:
+        return list(self._versions.values())
+
+    def get(self, engine_name: str) -> AdapterVersion | None:
+        return self._versions.get(engine_name)
+
+    def resolve(self, model: str | None) -> AdapterVersion | None:
+        """The version a request's `model` means, None for anything not an adapter
+        (the base model, or a name the replicas' own check decides on). RouterError 404
+        for an adapter name with a version that is not served (or no longer is)."""
+        if model is None or not self._versions:
+            return None
+        current = self._current.get(model)
+        if current is not None:
+            return current
+        name, sep, _ = model.partition(VERSION_SEP)
+        if not sep or name not in self._current:
+            return None
+        pinned = self._versions.get(model)
+        if pinned is None or pinned.retiring:
+            now = self._current[name]
+            raise RouterError(404, f"The model `{model}` does not exist: adapter `{name}` "
+                                   f"serves version {now.version}"
+                                   f"{' (the one named was replaced)' if pinned else ''}.",
+                              param="model")
+        return pinned
+
+    @contextmanager
+    def lease(self, version: AdapterVersion) -> Iterator[None]:
+        """Held while a request is on `version` (from resolution to its response's end)."""
+        version.in_flight += 1
+        try:
+            yield
+        finally:
+            version.in_flight -= 1
+
+    def add(self, version: AdapterVersion) -> None:
+        """A version being loaded: pinnable only once `switch` made its name current
+        (before that no client can know it)."""
+        if version.engine_name in self._versions:
+            raise ValueError(f"{version.engine_name} is already served")
+        self._versions[version.engine_name] = version
+
+    def switch(self, version: AdapterVersion) -> AdapterVersion | None:
+        """Make `version` what its name means; the version it replaces (now retiring)."""
+        assert self._versions.get(version.engine_name) is version
+        previous = self._current.get(version.name)
+        self._current[version.name] = version
+        if previous is not None and previous is not version:
+            previous.retiring = True
+            return previous
+        return None
+
+    def remove(self, version: AdapterVersion) -> None:
+        """Forget a version unloaded everywhere (or whose load was rolled back)."""
+        self._versions.pop(version.engine_name, None)
+        if self._current.get(version.name) is version:
+            del self._current[version.name]
+
+
+def rewrite_model(body: bytes, engine_name: str) -> bytes:
+    """The request body with `model` set to `engine_name` (the body was already parsed
+    as a JSON object, so this cannot fail); other fields are kept as they were sent."""
+    payload = json.loads(body)
+    payload["model"] = engine_name
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def rename_model(data: bytes, engine_name: str, client_name: str) -> bytes:
+    """Rename `"model":"ENGINE_NAME"` to the client's name in a response or SSE chunk.
+
+    vLLM writes compact JSON, and an adapter name is plain (letters, digits, `._-@`),
+    so the field is exactly these bytes; the same bytes inside generated text would be
+    escaped (`\\"model\\"`), so nothing else matches."""
+    return data.replace(b'"model":"%s"' % engine_name.encode(),
+                        b'"model":"%s"' % client_name.encode())

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dpserve.router.adapters import Adapters, AdapterVersion, rename_model, rewrite_model
+from dpserve.router.errors import RouterError
+
+
+def version(name: str = "support", v: str = "step-000010-1a2b3c4d") -> AdapterVersion:
+    return AdapterVersion(name=name, version=v, path=f"/snap/{name}-{v}", rank=8)
+
+
+def test_a_name_means_its_current_version_and_a_pinned_one_its_own():
+    adapters = Adapters()
+    v1, v2 = version(v="v1"), version(v="v2")
+    adapters.add(v1)
+    assert adapters.resolve("support") is None  # loading: no client can name it yet
+    adapters.switch(v1)
+    adapters.add(v2)
+    assert adapters.resolve("support") is v1
+    assert adapters.resolve("support@v2") is v2  # deployed, about to become current
+    assert adapters.switch(v2) is v1
+    assert adapters.resolve("support") is v2
+    assert adapters.resolve("support@v2") is v2
+    assert v1.retiring and adapters.get("support@v1") is v1  # still finishing its requests
+
+
+def test_the_base_model_and_unknown_names_are_not_adapters():
+    adapters = Adapters()
+    adapters.add(v := version())
+    adapters.switch(v)
+    assert adapters.resolve("dpserve-tiny-llama") is None
+    assert adapters.resolve(None) is None
+    assert adapters.resolve("other@v1") is None  # the replicas' 404 decides
+
+
+@pytest.mark.parametrize("pinned", ["support@nope", "support@v1"])
+def test_a_pinned_version_not_served_is_a_404_naming_the_current_one(pinned):
+    adapters = Adapters()
+    adapters.add(v1 := version(v="v1"))
+    adapters.switch(v1)
+    adapters.add(v2 := version(v="v2"))
+    adapters.switch(v2)  # v1 retires: no new request may start on it
+    with pytest.raises(RouterError) as exc:
+        adapters.resolve(pinned)
+    assert exc.value.status == 404 and exc.value.param == "model"
+    assert f"`{pinned}` does not exist" in exc.value.message
+    assert "serves version v2" in exc.value.message
+
+
+def test_a_lease_counts_the_requests_on_a_version_even_when_they_fail():
+    adapters = Adapters()
+    v = version()
+    with adapters.lease(v), adapters.lease(v):
+        assert v.in_flight == 2
+    with pytest.raises(RuntimeError), adapters.lease(v):
+        raise RuntimeError
+    assert v.in_flight == 0
+
+
+def test_removing_the_current_version_forgets_the_name():
+    adapters = Adapters()
+    adapters.add(v := version())
+    adapters.switch(v)
+    adapters.remove(v)
+    assert len(adapters) == 0 and adapters.names() == frozenset()
+    assert adapters.resolve("support") is None
+
+
+def test_a_version_cannot_be_added_twice():
+    adapters = Adapters()
+    adapters.add(version())
+    with pytest.raises(ValueError, match="already served"):
+        adapters.add(version())
+
+
+def test_the_request_body_names_the_engine_version_and_keeps_everything_else():
+    body = b'{"model": "support", "prompt": "caf\\u00e9 \xe2\x82\xac", "max_tokens": 3}'
+    out = json.loads(rewrite_model(body, "support@v2"))
+    assert out == {"model": "support@v2", "prompt": "café €", "max_tokens": 3}
+
+
+def test_the_answer_names_the_model_the_client_asked_for():
+    chunk = (b'data: {"id":"cmpl-1","object":"text_completion","model":"support@v2",'
+             b'"choices":[{"index":0,"text":"hi"}]}\n\n')
+    assert rename_model(chunk, "support@v2", "support") == chunk.replace(
+        b'"model":"support@v2"', b'"model":"support"')
+
+
+@given(text=st.text(max_size=200))
+def test_generated_text_is_never_renamed(text):
+    """Whatever the model generates (even the field itself) is JSON-escaped text."""
+    body = json.dumps({"model": "support@v2", "choices": [{"text": text}]},
+                      ensure_ascii=False, separators=(",", ":")).encode()
+    renamed = json.loads(rename_model(body, "support@v2", "support"))
+    assert renamed == {"model": "support", "choices": [{"text": text}]}
