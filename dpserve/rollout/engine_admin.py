@@ -8,7 +8,13 @@ Checked against vLLM 0.32 (`VLLM_SERVER_DEV_MODE=1`):
   "is_checkpoint_format": true}}` copies new weights into the loaded model;
 - `POST /reset_prefix_cache?reset_running_requests=true` drops cached KV computed
   with the old weights; frozen requests are preempted and recomputed, not failed;
-- `POST /resume`; `POST /update_weight_version` `{"new_version"}`.
+- `POST /resume`; `POST /update_weight_version` `{"new_version"}`;
+- adapters (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
+  `POST /v1/load_lora_adapter` `{"lora_name", "lora_path"}` loads one into the
+  engine (400 if the name is taken, 500 with the engine's reason if it cannot
+  load; 404 when run-time updating is off: the route does not exist);
+  `POST /v1/unload_lora_adapter` `{"lora_name"}` takes the name away (the
+  engine's host-memory cache drops its weights least-recently-used first).
 
 A canary request while paused would be queued like any other, so the canary
 runs after `/resume`, while the router still keeps new requests away.
@@ -75,6 +81,25 @@ class EngineAdmin:
     async def set_weight_version(self, version: str) -> None:
         await self._call("update_weight_version", "/update_weight_version",
                          json={"new_version": version})
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load the adapter directory `path` as model `name`; EngineAdminError naming
+        `--enable-lora` when the replica cannot take adapters at run time."""
+        try:
+            await self._call("load_lora_adapter", "/v1/load_lora_adapter",
+                             json={"lora_name": name, "lora_path": path},
+                             limit_s=self._reload_timeout_s)
+        except EngineAdminError as exc:
+            if "HTTP 404" in str(exc):
+                raise EngineAdminError(
+                    "load_lora_adapter", "the replica does not load adapters at run time: "
+                    "start it with --enable-lora (dpserve serve --enable-lora, or vLLM's "
+                    "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") from None
+            raise
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call("unload_lora_adapter", "/v1/unload_lora_adapter",
+                         json={"lora_name": name})
 
     async def canary(self, model: str, prompt: str) -> CanaryResult:
         """A short greedy completion: it must end normally with finite logprobs."""

@@ -39,6 +39,8 @@ class AdapterVersion:
     """The (snapshot) directory the engines loaded."""
     rank: int
     in_flight: int = 0
+    serving: bool = False
+    """Its name has meant it (`switch`): only then may a request pin it."""
     retiring: bool = False
     """Replaced by a newer version: takes no new request, unloaded once idle."""
     replicas: set[str] = field(default_factory=set)
@@ -85,7 +87,7 @@ class Adapters:
         if not sep or name not in self._current:
             return None
         pinned = self._versions.get(model)
-        if pinned is None or pinned.retiring:
+        if pinned is None or pinned.retiring or not pinned.serving:
             now = self._current[name]
             raise RouterError(404, f"The model `{model}` does not exist: adapter `{name}` "
                                    f"serves version {now.version}"
@@ -103,8 +105,8 @@ class Adapters:
             version.in_flight -= 1
 
     def add(self, version: AdapterVersion) -> None:
-        """A version being loaded: pinnable only once `switch` made its name current
-        (before that no client can know it)."""
+        """A version being loaded: no request reaches it (not even pinned) before
+        `switch` makes its name mean it."""
         if version.engine_name in self._versions:
             raise ValueError(f"{version.engine_name} is already served")
         self._versions[version.engine_name] = version
@@ -114,6 +116,7 @@ class Adapters:
         assert self._versions.get(version.engine_name) is version
         previous = self._current.get(version.name)
         self._current[version.name] = version
+        version.serving = True
         if previous is not None and previous is not version:
             previous.retiring = True
             return previous
