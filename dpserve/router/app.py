@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from dpserve.config import RouterConfig, parse_target
+from dpserve.router.adapters import Adapters
 from dpserve.router.admin import admin_routes
 from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.auth import Authenticate
@@ -75,6 +76,8 @@ class Router:
         self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
                                   load_factor=config.load_factor)
         self.dispatcher = Dispatcher(pool, self.policy, config)
+        self.adapters = Adapters()
+        """LoRA adapter versions served beside the base model (filled by deploys)."""
         self.bodies = BodyBudget(config.max_inflight_body_bytes)
         """Request bytes held in memory by all requests together."""
         # No connection cap: the policy and vLLM's scheduler bound concurrency;
@@ -157,7 +160,7 @@ def build_app(router: Router) -> DataPlaneFront:
         endpoint = ProxyEndpoint(
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
             metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
-            keys=router.policy.needs, method=method,
+            keys=router.policy.needs, method=method, adapters=router.adapters,
         )
         forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))

@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from dpserve.router.adapters import AdapterVersion
 from dpserve.router.errors import RouterError, error_body
 from dpserve.router.pool import Replica
 from dpserve.router.upstream import UpstreamResponse
@@ -163,12 +164,21 @@ def upstream_header_block(scope: Scope, request_id: str, content_length: int | N
 
 
 def downstream_headers(
-    resp: UpstreamResponse, request_id: str, replica: Replica
+    resp: UpstreamResponse, request_id: str, replica: Replica,
+    adapter: AdapterVersion | None = None,
 ) -> list[tuple[bytes, bytes]]:
+    """The replica's headers less hop-by-hop ones, plus who answered with what: the
+    weight version is the adapter's for a request on an adapter (then the base
+    weights' version is `x-dpserve-base-version`)."""
     out = [(name.lower(), value) for name, value in resp.raw_headers
            if name.lower() not in _NOT_PASSED_BACK]
     out.append((b"x-request-id", request_id.encode()))
     out.append((b"x-dpserve-replica", replica.id.encode()))
-    if replica.weight_version is not None:
-        out.append((b"x-dpserve-weight-version", replica.weight_version.encode("latin-1")))
+    base = replica.weight_version.encode("latin-1") if replica.weight_version else None
+    if adapter is not None:
+        out.append((b"x-dpserve-weight-version", adapter.version.encode()))
+        if base is not None:
+            out.append((b"x-dpserve-base-version", base))
+    elif base is not None:
+        out.append((b"x-dpserve-weight-version", base))
     return out

@@ -100,27 +100,31 @@ class Dispatcher:
                 cooldown_s=self._config.breaker_cooldown_s)
         return b
 
-    def _open_to(self, tried: Collection[str]) -> list[Replica]:
-        """Ready, breaker closed (or probing), not tried by this request; cap ignored."""
+    def _open_to(self, tried: Collection[str], adapter: str | None = None) -> list[Replica]:
+        """Ready, breaker closed (or probing), not tried by this request, holding its
+        adapter if it names one; cap ignored."""
         now = self._clock()
         return [r for r in self._pool.ready()
-                if r.id not in tried and self.breaker(r).available(now)]
+                if r.id not in tried and (adapter is None or adapter in r.models)
+                and self.breaker(r).available(now)]
 
     async def choose(self, request: RequestInfo, tried: Collection[str]) -> Slot:
         """A slot on the replica this attempt should use; waits in the admission queue
         while every open replica is at its cap. Raises :class:`Unavailable`."""
-        if self._cap is not None and not under_cap(self._open_to(tried), self._cap):
-            if not self._open_to(tried):
+        adapter = request.adapter
+        if self._cap is not None and not under_cap(self._open_to(tried, adapter), self._cap):
+            if not self._open_to(tried, adapter):
                 raise self._nothing_open(tried)
             try:
-                await self.queue.acquire(lambda: free_slots(self._open_to(tried), self._cap))
+                await self.queue.acquire(
+                    lambda: free_slots(self._open_to(tried, adapter), self._cap))
             except AdmissionRejected as exc:
                 slots = len(self._pool.ready()) * self._cap
                 raise Unavailable(429, f"{exc}; retry later", retry_after_s=retry_after_s(
                     exc.waiting, slots=slots, mean_service_s=self._mean_service_s or 1.0,
                 )) from None
         # No await from here on: the choice and the lease must see the same counts.
-        candidates = under_cap(self._open_to(tried), self._cap)
+        candidates = under_cap(self._open_to(tried, adapter), self._cap)
         replica = self._policy.select(candidates, request) if candidates else None
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:

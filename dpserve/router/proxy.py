@@ -27,11 +27,13 @@ Order of events for one request:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
 
 from dpserve.config import RouterConfig
+from dpserve.router.adapters import Adapters, AdapterVersion, rename_model, rewrite_model
 from dpserve.router.asgi import (
     DisconnectWatch,
     Receive,
@@ -65,8 +67,8 @@ _UNREACHABLE = (OSError,)
 class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
-    __slots__ = ("body", "headers", "info", "line", "replied", "request_id", "start",
-                 "stream")
+    __slots__ = ("adapter", "body", "client_model", "headers", "info", "line", "replied",
+                 "request_id", "start", "stream")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
         self.request_id = request_id
@@ -80,6 +82,10 @@ class Exchange:
         """The upstream request line less its version: `POST /v1/completions?query`."""
         self.headers = b""
         """The upstream header block after `host`, blank line included."""
+        self.adapter: AdapterVersion | None = None
+        """The adapter version the request runs on, if it names an adapter."""
+        self.client_model = ""
+        """The `model` the client sent (answers are renamed back to it)."""
 
 
 class ProxyEndpoint:
@@ -97,6 +103,7 @@ class ProxyEndpoint:
         bodies: BodyBudget,
         keys: frozenset[str] = frozenset(),
         method: str = "POST",
+        adapters: Adapters | None = None,
     ) -> None:
         self.route = route
         self.method = method
@@ -108,6 +115,7 @@ class ProxyEndpoint:
         self._upstream = upstream
         self._has_body = method == "POST"
         self._keys = keys
+        self._adapters = adapters if adapters is not None else Adapters()
         """The affinity keys the policy reads (`Policy.needs`): no other is computed."""
         # Per-request costs kept out of the hot path: parsed replica URLs, the request
         # line, and the metric children of this route.
@@ -147,7 +155,11 @@ class ProxyEndpoint:
                                           limit=self._config.max_body_bytes)
                 self._prepare(ex, scope)
                 watch = DisconnectWatch(receive, asyncio.current_task(), ex.replied)
-                served_by, status = await self._forward(ex)
+                if ex.adapter is None:
+                    served_by, status = await self._forward(ex)
+                else:  # held to the response's end: a retiring version waits for it
+                    with self._adapters.lease(ex.adapter):
+                        served_by, status = await self._forward(ex)
         except RouterError as exc:
             status = exc.status
             if not ex.replied.started:
@@ -179,16 +191,31 @@ class ProxyEndpoint:
     def _prepare(self, ex: Exchange, scope: Scope) -> None:
         """What routing needs from the body, and the upstream request's line and head."""
         if self._has_body:
+            known = self._pool.served_models()
+            if self._adapters:
+                known = known | self._adapters.names()
             parsed = parse_request(ex.body, scope["headers"], route=self.route,
-                                   known_models=self._pool.served_models(), keys=self._keys,
+                                   known_models=known, keys=self._keys,
                                    prefix_chars=self._config.prefix_chars)
             ex.info, ex.stream = parsed.info, parsed.stream
+            if self._adapters:
+                self._resolve_adapter(ex)
         else:
             ex.info = RequestInfo(route=self.route)
         query = scope.get("query_string", b"")
         ex.line = self._request_line + (b"?" + query if query else b"")
         ex.headers = upstream_header_block(scope, ex.request_id,
                                            len(ex.body) if self._has_body else None)
+
+    def _resolve_adapter(self, ex: Exchange) -> None:
+        """A request naming an adapter runs on one version, named as the engines know it."""
+        version = self._adapters.resolve(ex.info.model)
+        if version is None:
+            return
+        ex.adapter = version
+        ex.client_model = ex.info.model or ""
+        ex.body = rewrite_model(ex.body, version.engine_name)
+        ex.info = dataclasses.replace(ex.info, adapter=version.engine_name)
 
     async def _forward(self, ex: Exchange) -> tuple[str, int]:
         attempts = self._config.max_attempts
@@ -257,7 +284,7 @@ class ProxyEndpoint:
             slot.outcome = classify(resp.status, None)
             if self._retry(slot, stream, last, resp.status):
                 return f"answered {resp.status}"
-            out_headers = downstream_headers(resp, ex.request_id, replica)
+            out_headers = downstream_headers(resp, ex.request_id, replica, ex.adapter)
             if stream and resp.content_type == "text/event-stream":
                 return await self._pass_stream(ex, resp, slot, out_headers)
             cap = self._config.max_response_bytes
@@ -277,6 +304,8 @@ class ProxyEndpoint:
                     return f"connection dropped mid-response ({type(exc).__name__})"
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
+            if ex.adapter is not None:
+                payload = rename_model(payload, ex.adapter.engine_name, ex.client_model)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             self._first_byte.observe(time.perf_counter() - ex.start)
             await ex.replied.start(resp.status, out_headers)
@@ -311,6 +340,8 @@ class ProxyEndpoint:
         try:
             while chunk:
                 if whole := events.feed(chunk):
+                    if ex.adapter is not None:
+                        whole = rename_model(whole, ex.adapter.engine_name, ex.client_model)
                     await replied.body(whole, more=True)
                 events.check()
                 async with asyncio.timeout(idle):
@@ -326,5 +357,8 @@ class ProxyEndpoint:
             self._metrics.stream_errors.labels(self.route, replica.id).inc()
             await replied.body(sse_error_event(502, f"stream interrupted: {reason}"), more=False)
             return resp.status
-        await replied.body(events.rest(), more=False)
+        rest = events.rest()
+        if ex.adapter is not None:
+            rest = rename_model(rest, ex.adapter.engine_name, ex.client_model)
+        await replied.body(rest, more=False)
         return resp.status

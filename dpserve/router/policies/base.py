@@ -19,6 +19,9 @@ class RequestInfo:
     prefix: str | None = None
     """Leading characters of the prompt or rendered messages, for prefix affinity;
     see :func:`dpserve.router.policies.keys.prompt_prefix`."""
+    adapter: str | None = None
+    """The engine name of the LoRA adapter version the request runs on
+    (`NAME@VERSION`); only replicas that have it loaded are candidates."""
 
 
 class Policy(Protocol):
