@@ -129,6 +129,41 @@ class Adapters:
             del self._current[version.name]
 
 
+def list_models(payload: bytes, adapters: Adapters) -> bytes:
+    """A replica's `/v1/models` answer with its adapter entries replaced by the router's:
+    every adapter name (meaning its current version) and every version by its pinned
+    name, each with its version and parent; retiring and loading versions left out. The
+    list is then the same whichever replica answered. An answer that is not the
+    expected JSON is returned as it is."""
+    try:
+        body = json.loads(payload)
+        data = body["data"]
+        # vLLM's base model cards have no parent; its adapter cards name the base.
+        base = [m for m in data if m.get("parent") is None]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return payload
+    parent = base[0].get("id") if base else None
+    created = base[0].get("created") if base else None
+    entries = []
+    for name in sorted(adapters.names()):
+        current = adapters.current(name)
+        assert current is not None
+        entries.append(_card(name, current, parent, created))
+    for version in sorted(adapters.versions(), key=lambda v: v.engine_name):
+        if version.serving and not version.retiring:
+            entries.append(_card(version.engine_name, version, parent, created))
+    body["data"] = base + entries
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _card(model_id: str, version: AdapterVersion, parent: object, created: object
+          ) -> dict[str, object]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "dpserve",
+            "root": version.engine_name, "parent": parent,
+            "dpserve": {"adapter": version.name, "version": version.version,
+                        "rank": version.rank}}
+
+
 def rewrite_model(body: bytes, engine_name: str) -> bytes:
     """The request body with `model` set to `engine_name` (the body was already parsed
     as a JSON object, so this cannot fail); other fields are kept as they were sent."""

@@ -33,7 +33,13 @@ import time
 from typing import Any
 
 from dpserve.config import RouterConfig
-from dpserve.router.adapters import Adapters, AdapterVersion, rename_model, rewrite_model
+from dpserve.router.adapters import (
+    Adapters,
+    AdapterVersion,
+    list_models,
+    rename_model,
+    rewrite_model,
+)
 from dpserve.router.asgi import (
     DisconnectWatch,
     Receive,
@@ -116,6 +122,7 @@ class ProxyEndpoint:
         self._has_body = method == "POST"
         self._keys = keys
         self._adapters = adapters if adapters is not None else Adapters()
+        self._lists_models = route == "/v1/models"
         """The affinity keys the policy reads (`Policy.needs`): no other is computed."""
         # Per-request costs kept out of the hot path: parsed replica URLs, the request
         # line, and the metric children of this route.
@@ -306,6 +313,8 @@ class ProxyEndpoint:
                                   f"replica {replica.id} failed mid-response") from None
             if ex.adapter is not None:
                 payload = rename_model(payload, ex.adapter.engine_name, ex.client_model)
+            elif self._lists_models and self._adapters and resp.status == 200:
+                payload = list_models(payload, self._adapters)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             self._first_byte.observe(time.perf_counter() - ex.start)
             await ex.replied.start(resp.status, out_headers)

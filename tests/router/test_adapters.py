@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpserve.router.adapters import Adapters, AdapterVersion, rename_model, rewrite_model
+from dpserve.router.adapters import (
+    Adapters,
+    AdapterVersion,
+    list_models,
+    rename_model,
+    rewrite_model,
+)
 from dpserve.router.errors import RouterError
 
 
@@ -99,3 +105,29 @@ def test_generated_text_is_never_renamed(text):
                       ensure_ascii=False, separators=(",", ":")).encode()
     renamed = json.loads(rename_model(body, "support@v2", "support"))
     assert renamed == {"model": "support", "choices": [{"text": text}]}
+
+
+def test_the_model_list_is_the_routers_whichever_replica_answered():
+    adapters = Adapters()
+    adapters.add(v1 := version(v="v1"))
+    adapters.switch(v1)
+    adapters.add(v2 := version(v="v2"))
+    adapters.switch(v2)  # v1 retiring, still loaded on the replica
+    adapters.add(version(v="v3"))  # loading
+    replica = {"object": "list", "data": [
+        {"id": "tiny", "object": "model", "created": 7, "root": "/m", "parent": None},
+        {"id": "support@v1", "object": "model", "root": "/snap/v1", "parent": "tiny"},
+        {"id": "support@v3", "object": "model", "root": "/snap/v3", "parent": "tiny"}]}
+    listed = json.loads(list_models(json.dumps(replica).encode(), adapters))["data"]
+    assert [m["id"] for m in listed] == ["tiny", "support", "support@v2"]
+    assert listed[1]["parent"] == "tiny" and listed[1]["dpserve"] == {
+        "adapter": "support", "version": "v2", "rank": 8}
+    assert all(m["root"] == "support@v2" for m in listed[1:])  # no snapshot path leaks
+
+
+def test_a_model_list_that_is_not_vllms_passes_unchanged():
+    adapters = Adapters()
+    adapters.add(v := version())
+    adapters.switch(v)
+    for odd in (b"not json", b'{"data": 3}', b'{"data": [1]}', b"[]"):
+        assert list_models(odd, adapters) == odd
