@@ -29,12 +29,14 @@ from dpserve.replicas.launcher import (
     visible_gpus,
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
+from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.api import deploy_routes
 from dpserve.rollout.converge import Restarter
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.lock import DeployLock
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
+from dpserve.router.adapters import Adapters
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory
 from dpserve.router.metrics import RouterMetrics
@@ -138,7 +140,8 @@ class _Signals:
 
 def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
                  restarter: Restarter | None = None, metrics: RouterMetrics | None = None,
-                 default_snapshot_dir: Path | None = None) -> Rollout:
+                 default_snapshot_dir: Path | None = None,
+                 adapters: AdapterDeploys | None = None) -> Rollout:
     """The rolling deploy as `config` sets it up: its snapshot store, checkpoint root,
     deploy lock and deployed link."""
     snapshot_dir = (Path(config.snapshot_dir) if config.snapshot_dir is not None
@@ -150,7 +153,7 @@ def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterCon
                          else None),
         lock=(DeployLock(config.deploy_lock, ttl_s=config.deploy_lock_ttl_s)
               if config.deploy_lock is not None else None),
-        deployed_link=config.deployed_link)
+        deployed_link=config.deployed_link, adapters=adapters)
 
 
 def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
@@ -159,10 +162,13 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
     """The router and its rolling deploy, wired together (the composition root: the
     router knows nothing of deploys but the callables and routes it is given)."""
     metrics = metrics if metrics is not None else RouterMetrics(pool)
+    adapters = AdapterDeploys(pool, Adapters(), enabled=config.enable_lora,
+                              max_lora_rank=config.max_lora_rank)
     rollout = make_rollout(pool, deployed, config, restarter=restarter, metrics=metrics,
-                           default_snapshot_dir=default_snapshot_dir)
+                           default_snapshot_dir=default_snapshot_dir, adapters=adapters)
     router = Router(pool, config, metrics=metrics, own_pause=rollout.hot_loading,
-                    weight_version=rollout.deployed_version, routes=deploy_routes(rollout))
+                    weight_version=rollout.deployed_version, routes=deploy_routes(rollout),
+                    adapters=adapters.adapters, admit=adapters.admit)
     return router, rollout
 
 

@@ -4,7 +4,9 @@
   "canary_prompt": "...", "drain_wait_s": 0, "ready_timeout_s": 900}` validates
   the checkpoint (answering 400/409/422 in the OpenAI error envelope, with no
   replica touched), then answers 202 with the deploy's record while it rolls out
-  in the background. 409 while another deploy runs.
+  in the background. 409 while another deploy runs. With `"name": "NAME"` the
+  checkpoint is a LoRA adapter, served as model NAME beside the base
+  (`dpserve.rollout.adapter_deploy`).
 - `GET /admin/deploy/{id}` — that deploy's record (state, per-replica phase, events).
 - `GET /admin/deploy` — the deploy in progress, else the last one.
 
@@ -35,9 +37,13 @@ def deploy_routes(rollout: Rollout) -> list[Route]:
         if not isinstance(checkpoint, str) or not checkpoint.startswith("/"):
             return error_response(400, "checkpoint must be an absolute path to a checkpoint "
                                        "directory", param="checkpoint")
+        name = body.get("name")
+        if name is not None and not isinstance(name, str):
+            return error_response(400, "name must be a string: the model name clients use "
+                                       "for the adapter", param="name")
         try:
             options = DeployOptions.from_json(body)
-            progress = await rollout.start(checkpoint, options)
+            progress = await rollout.start(checkpoint, options, name=name)
         except Refused as exc:
             return error_response(exc.status, exc.message, param=exc.param)
         return JSONResponse(progress.to_json(), status_code=202,

@@ -27,7 +27,8 @@ DEFAULT_CANARY_PROMPT = "The quick brown fox"
 MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
-DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s")
+DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
+                 "name")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -126,6 +127,8 @@ class DeployProgress:
     previous_version: str | None = None
     snapshot: str | None = None
     """What the engines load: the checkpoint's copy in the snapshot store."""
+    adapter: str | None = None
+    """The adapter name a LoRA deploy serves the checkpoint as (None: full weights)."""
     error: str | None = None
     replicas: list[ReplicaProgress] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
@@ -159,6 +162,7 @@ class DeployProgress:
             "id": self.id, "checkpoint": self.checkpoint, "state": self.state.value,
             "done": self.done, "version": self.version,
             "previous_version": self.previous_version, "snapshot": self.snapshot,
+            "adapter": self.adapter,
             "error": self.error,
             "options": self.options, "started_at": self.started_at,
             "finished_at": self.finished_at,

@@ -43,12 +43,14 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
-from dpserve.checkpoint import CheckpointError
+from dpserve.checkpoint import CheckpointError, CheckpointMeta
+from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
 from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S
@@ -67,6 +69,7 @@ from dpserve.rollout.validate import (
     refused,
     validate_checkpoint,
 )
+from dpserve.router.adapters import AdapterVersion
 from dpserve.router.pool import Replica, ReplicaPool
 
 if TYPE_CHECKING:
@@ -88,7 +91,8 @@ class Rollout:
                  restarter: Restarter | None = None,
                  metrics: RouterMetrics | None = None,
                  reload_timeout_s: float = RELOAD_TIMEOUT_S,
-                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient) -> None:
+                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
+                 adapters: AdapterDeploys | None = None) -> None:
         """`snapshots`: where checkpoints are copied before they are checked (without one,
         deploys are refused). `checkpoint_root`: deployable checkpoints lie inside it
         (default: the served model's parent). `lock`: held (shared by every router) for
@@ -104,6 +108,8 @@ class Rollout:
         self._restarter = restarter
         self._reload_timeout_s = reload_timeout_s
         self._client_factory = client_factory
+        self.adapters = adapters
+        """Adapter deploys (`start(..., name=)`); None: the router serves none."""
         self._history: collections.OrderedDict[str, DeployProgress] = collections.OrderedDict()
         self._active: DeployProgress | None = None
         self._task: asyncio.Task[None] | None = None
@@ -133,9 +139,16 @@ class Rollout:
         """The deploy in progress, else the last one."""
         return next(reversed(self._history.values()), None)
 
-    async def start(self, checkpoint: str, options: DeployOptions) -> DeployProgress:
+    async def start(self, checkpoint: str, options: DeployOptions, *,
+                    name: str | None = None) -> DeployProgress:
         """Validate `checkpoint` (Refused on any problem, nothing changed), then start
-        rolling it out in the background and return its progress record."""
+        rolling it out in the background and return its progress record. With `name`,
+        `checkpoint` is a LoRA adapter to serve as model `name` beside the base."""
+        if name is not None:
+            if self.adapters is None:
+                raise Refused(409, "this router serves no LoRA adapters: start it with "
+                                   "--enable-lora", param="name")
+            self.adapters.check_request(name, self._pool.served_models())
         if self._active is not None and not self._active.done:
             raise Refused(409, f"deploy {self._active.id} of {self._active.checkpoint} is "
                                "in progress; one deploy at a time")
@@ -169,7 +182,9 @@ class Rollout:
                     if self._lock is not None else None)
         progress.event(f"validating {checkpoint}")
         try:
-            target = await asyncio.to_thread(self._validate, Path(checkpoint))
+            target: Weights | AdapterVersion = await asyncio.to_thread(
+                self._validate if name is None else partial(self._validate_adapter, name),
+                Path(checkpoint))
             if self._lock_lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
                                    f"({self._lock_lost}); nothing was changed")
@@ -183,12 +198,18 @@ class Rollout:
             raise
         progress.version = target.version
         progress.snapshot = target.path
-        progress.previous_version = self._deployed.current.version
         progress.replicas = [ReplicaProgress(r.id, from_version=r.weight_version)
                              for r in self._pool]
         progress.state = DeployState.ROLLING
-        self._task = asyncio.create_task(self._deploy(progress, target, options, renewing),
-                                         name=f"dpserve-deploy-{progress.id}")
+        if isinstance(target, AdapterVersion):
+            current = self.adapters.adapters.current(target.name) if self.adapters else None
+            progress.adapter = target.name
+            progress.previous_version = current.version if current is not None else None
+            work = self._deploy_adapter(progress, target, renewing)
+        else:
+            progress.previous_version = self._deployed.current.version
+            work = self._deploy(progress, target, options, renewing)
+        self._task = asyncio.create_task(work, name=f"dpserve-deploy-{progress.id}")
         return progress
 
     async def wait(self) -> None:
@@ -197,6 +218,8 @@ class Rollout:
             await asyncio.shield(self._task)
 
     async def aclose(self) -> None:
+        if self.adapters is not None:
+            await self.adapters.aclose()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -214,16 +237,49 @@ class Rollout:
                 raise Refused(409, f"the served model {self._deployed.base.path} is not a local "
                                    "directory, so a checkpoint cannot be checked against it")
             self._served = fingerprint(base)
-        root = self._checkpoint_root or base.parent
+        snapshot, meta = self._take_snapshot(ckpt_dir)
+        meta = validate_checkpoint(snapshot, self._served, meta)
+        return checkpoint_weights(snapshot, meta)
+
+    def _take_snapshot(self, ckpt_dir: Path) -> tuple[Path, CheckpointMeta]:
+        """Copy `ckpt_dir` (inside the checkpoint root) into the store, checking its
+        manifest and every file's sha256 on the way. Refused (403, 422) otherwise."""
+        assert self._deployed is not None and self._snapshots is not None
+        root = self._checkpoint_root or Path(self._deployed.base.path).parent
         try:
-            snapshot, meta = self._snapshots.take(ckpt_dir, within=root)
+            return self._snapshots.take(ckpt_dir, within=root)
         except OutsideRoot as exc:
             raise refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
                           ) from None
         except (CheckpointError, OSError) as exc:
             raise refused(422, str(exc)) from None
-        meta = validate_checkpoint(snapshot, self._served, meta)
-        return checkpoint_weights(snapshot, meta)
+
+    def _validate_adapter(self, name: str, ckpt_dir: Path) -> AdapterVersion:
+        """Snapshot an adapter checkpoint, then check it against the weights served now."""
+        assert self.adapters is not None and self._deployed is not None
+        served = Path(self._deployed.current.path)
+        if not served.is_dir():
+            raise Refused(409, f"the served model {served} is not a local directory, so an "
+                               "adapter cannot be checked against it")
+        snapshot, meta = self._take_snapshot(ckpt_dir)
+        return self.adapters.validate(name, snapshot, meta,
+                                      served_weights=served)
+
+    async def _deploy_adapter(self, progress: DeployProgress, target: AdapterVersion,
+                              renewing: asyncio.Task[None] | None) -> None:
+        assert self.adapters is not None
+        try:
+            state = await self.adapters.run(progress, target)
+            self._finish(progress, state, progress.error)
+        except asyncio.CancelledError:
+            self._finish(progress, DeployState.FAILED, "cancelled: the router is shutting down")
+            raise
+        except Exception as exc:
+            log.exception("deploy %s crashed", progress.id)
+            self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
+        finally:
+            await self._end_lock(renewing)
+            await asyncio.to_thread(self._prune_snapshots)
 
     async def _deploy(self, progress: DeployProgress, target: Weights,
                    options: DeployOptions, renewing: asyncio.Task[None] | None) -> None:
@@ -266,7 +322,8 @@ class Rollout:
         """Delete snapshots nothing needs: not what replicas should serve, not the last
         deploys' (rollbacks), not the deployed link's target (other routers' engines)."""
         assert self._snapshots is not None and self._deployed is not None
-        in_use = [self._deployed.current.path, self._deployed.base.path, *self._recent]
+        in_use = [self._deployed.current.path, self._deployed.base.path, *self._recent,
+                  *(self.adapters.in_use() if self.adapters is not None else ())]
         if self.deployed_link is not None:
             in_use.append(self.deployed_link)
         try:

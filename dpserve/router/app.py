@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import httpx
 from starlette.applications import Starlette
@@ -62,21 +62,25 @@ class Router:
     What the router does not own comes in as arguments, so it depends on nothing above
     it: `own_pause` tells the health checks a replica is paused by this router's own
     deploy (not someone else's), `weight_version` what a newly discovered replica
-    serves, and `routes` are more Starlette routes for the app (`/admin/deploy`).
+    serves, `routes` are more Starlette routes for the app (`/admin/deploy`),
+    `adapters` the adapter table deploys fill, and `admit` what a replica must get
+    before it turns ready (the adapters it lacks).
     """
 
     def __init__(self, pool: ReplicaPool, config: RouterConfig, *,
                  metrics: RouterMetrics | None = None,
                  own_pause: Callable[[Replica], bool] | None = None,
                  weight_version: Callable[[], str | None] | None = None,
-                 routes: Sequence[BaseRoute] = ()) -> None:
+                 routes: Sequence[BaseRoute] = (),
+                 adapters: Adapters | None = None,
+                 admit: Callable[[Replica], Awaitable[str | None]] | None = None) -> None:
         self.pool = pool
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(pool)
         self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
                                   load_factor=config.load_factor)
         self.dispatcher = Dispatcher(pool, self.policy, config)
-        self.adapters = Adapters()
+        self.adapters = adapters if adapters is not None else Adapters()
         """LoRA adapter versions served beside the base model (filled by deploys)."""
         self.bodies = BodyBudget(config.max_inflight_body_bytes)
         """Request bytes held in memory by all requests together."""
@@ -89,7 +93,7 @@ class Router:
         failures = self.metrics.health_check_failures
         self.health = HealthChecker(pool, config, self.control,
                                     on_failure=lambda r: failures.labels(r.id).inc(),
-                                    own_pause=own_pause)
+                                    own_pause=own_pause, admit=admit)
         self.discovery = (Discovery(pool, parse_target(config.discover),
                                     interval_s=config.discover_interval_s,
                                     weight_version=weight_version or (lambda: None))

@@ -3,7 +3,8 @@
 Every `health_interval_s` each replica's `GET /health` is called. A ready
 replica leaves rotation after `unhealthy_threshold` consecutive failures; a
 starting or down one enters it after `healthy_threshold` consecutive
-successes, at which point its served model names are read from `/v1/models`.
+successes, at which point its served model names are read from `/v1/models`
+(and, with adapters served, the versions it lacks are loaded into it first).
 Replicas being drained or reloaded belong to the admin path and are left alone.
 
 Passive signals (a refused connection in the proxy, a process exit seen by the
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -41,12 +42,16 @@ PAUSED = "paused (a deploy is hot-loading it)"
 class HealthChecker:
     def __init__(self, pool: ReplicaPool, config: RouterConfig, client: httpx.AsyncClient,
                  *, on_failure: Callable[[Replica], None] | None = None,
-                 own_pause: Callable[[Replica], bool] | None = None) -> None:
+                 own_pause: Callable[[Replica], bool] | None = None,
+                 admit: Callable[[Replica], Awaitable[str | None]] | None = None) -> None:
+        """`admit`: last step before a replica turns ready, after its models were read
+        (loading the adapters it lacks); a reason not to admit it yet, or None."""
         self._pool = pool
         self._config = config
         self._client = client
         self._on_failure = on_failure
         self._own_pause = own_pause
+        self._admit = admit
 
     async def run(self) -> None:
         """Check forever; cancel the task to stop."""
@@ -113,7 +118,12 @@ class HealthChecker:
             models = await self._fetch_models(replica)
             if models is not None and replica.state in CHECKED:
                 replica.models = models
-                self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+                problem = await self._admit(replica) if self._admit is not None else None
+                if problem is not None:
+                    replica.last_error = problem
+                    log.warning("replica %s: healthy, not admitted yet: %s", replica.id, problem)
+                elif replica.state in CHECKED:
+                    self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
         else:
             self._pool.set_state(
                 replica, verdict.state,

@@ -1,0 +1,148 @@
+"""`dpserve deploy ADAPTER --name NAME`: the checks before any replica changes, and the run.
+
+Refused before anything changes (the OpenAI envelope, with the status below):
+
+- 409: the replicas do not take adapters (start them with `--enable-lora`); the name
+  is the served base model's; the adapter was trained on other weights than those
+  served, has a rank above `--max-lora-rank` or targets a module the base lacks;
+  this exact version already serves under the name;
+- 400: a name that is not plain (`config.lora_name_problem`);
+- 422: not a sound adapter checkpoint (manifest, sha256, adapter files), or a full
+  checkpoint (deploy that without `--name`).
+
+Then `adapter_rollout.load_everywhere` loads it into every serving replica and
+switches the name; the version it replaces retires in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from dpserve.checkpoint import CheckpointMeta, base_fingerprint
+from dpserve.config import lora_name_problem
+from dpserve.rollout.adapter_rollout import (
+    AdapterLoadFailed,
+    converge,
+    load_everywhere,
+    retire,
+)
+from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
+from dpserve.rollout.progress import DeployProgress, DeployState, Phase
+from dpserve.rollout.validate import Refused
+from dpserve.rollout.validate_adapter import validate_adapter
+from dpserve.router.adapters import Adapters, AdapterVersion
+from dpserve.router.pool import Replica, ReplicaPool
+
+log = logging.getLogger("dpserve.rollout")
+
+
+class AdapterDeploys:
+    """Adapter deploys against one pool: checks, the load-and-switch, retirements."""
+
+    def __init__(self, pool: ReplicaPool, adapters: Adapters, *, enabled: bool,
+                 max_lora_rank: int,
+                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient) -> None:
+        self._pool = pool
+        self.adapters = adapters
+        self._enabled = enabled
+        self._max_rank = max_lora_rank
+        self._client_factory = client_factory
+        self._fingerprints: dict[str, str] = {}
+        """Base fingerprint per served weights directory (hashing reads every byte)."""
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def check_request(self, name: str, served_names: frozenset[str]) -> None:
+        """What can be refused before reading the checkpoint. Refused otherwise."""
+        if not self._enabled:
+            raise Refused(409, "the replicas do not take LoRA adapters: start them with "
+                               "`dpserve serve --enable-lora` (for `dpserve router`: vLLM's "
+                               "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, "
+                               "and --enable-lora here)", param="name")
+        problem = lora_name_problem(name)
+        if problem is not None:
+            raise Refused(400, problem, param="name")
+        if name in served_names:
+            raise Refused(409, f"{name!r} is the served base model's name; give the adapter "
+                               "another", param="name")
+
+    def validate(self, name: str, snapshot: Path, meta: CheckpointMeta, *,
+                 served_weights: Path) -> AdapterVersion:
+        """Check the snapshot of an adapter checkpoint against the weights served now
+        (blocking: hashes the served weights once per weights directory)."""
+        key = str(served_weights)
+        fingerprint = self._fingerprints.get(key)
+        if fingerprint is None:
+            fingerprint = self._fingerprints[key] = base_fingerprint(key)
+        info = validate_adapter(snapshot, meta, served_base=served_weights,
+                                served_fingerprint=fingerprint, max_lora_rank=self._max_rank)
+        current = self.adapters.current(name)
+        if current is not None and current.version == info.version:
+            raise Refused(409, f"{name} already serves version {info.version}")
+        return AdapterVersion(name=name, version=info.version, path=info.path, rank=info.rank)
+
+    def in_use(self) -> list[str]:
+        """Snapshot directories of every loaded version (not to be pruned)."""
+        return [v.path for v in self.adapters.versions()]
+
+    async def run(self, progress: DeployProgress, version: AdapterVersion) -> DeployState:
+        """Load everywhere and switch; the deploy's final state (its error noted)."""
+        replicas = list(self._pool)
+        client = self._client_factory()
+
+        def admin_for(replica: Replica) -> EngineAdmin:
+            return EngineAdmin(client, replica.url)
+
+        previous = self.adapters.current(version.name)
+        progress.event(f"loading {version.engine_name} into {len(replicas)} replica(s)")
+        try:
+            await load_everywhere(self.adapters, version, replicas, admin_for)
+        except AdapterLoadFailed as exc:
+            await client.aclose()
+            for r in progress.replicas:
+                r.phase = Phase.ROLLED_BACK
+            progress.error = str(exc)
+            return DeployState.ROLLED_BACK
+        for r in progress.replicas:
+            loaded = r.id in version.replicas
+            r.phase = Phase.DONE if loaded else Phase.SKIPPED
+            r.version = version.version if loaded else r.from_version
+            r.note = None if loaded else "not serving: loads it before it serves again"
+        progress.event(f"{version.name} now means {version.version}"
+                       + (f" (was {previous.version}, retiring)" if previous else ""))
+        if previous is not None:
+            task = asyncio.create_task(self._retire(previous, client),
+                                       name=f"dpserve-retire-{previous.engine_name}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        else:
+            await client.aclose()
+        return DeployState.SUCCEEDED
+
+    async def _retire(self, version: AdapterVersion, client: httpx.AsyncClient) -> None:
+        try:
+            await retire(self.adapters, version, lambda: list(self._pool),
+                         lambda r: EngineAdmin(client, r.url))
+        finally:
+            await client.aclose()
+
+    async def admit(self, replica: Replica) -> str | None:
+        """Load the served versions `replica` lacks before it turns ready (it restarted,
+        or was down at a deploy); why it cannot be admitted yet, or None."""
+        if not self.adapters:
+            return None
+        async with self._client_factory() as client:
+            try:
+                await converge(self.adapters, replica, EngineAdmin(client, replica.url))
+            except EngineAdminError as exc:
+                return f"could not load the served adapters: {exc}"
+        return None
+
+    async def aclose(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
