@@ -111,11 +111,11 @@ def lora_args(cfg: RouterConfig) -> tuple[str, ...]:
     """vLLM's adapter options for `cfg` (none without `enable_lora`)."""
     if not cfg.enable_lora:
         return ()
-    args = ("--enable-lora", "--max-loras", str(cfg.max_loras),
-            "--max-lora-rank", str(cfg.max_lora_rank))
+    args = ["--enable-lora", "--max-loras", str(cfg.max_loras),
+            "--max-lora-rank", str(cfg.max_lora_rank)]
     if cfg.max_cpu_loras is not None:
-        args += ("--max-cpu-loras", str(cfg.max_cpu_loras))
-    return args
+        args += ["--max-cpu-loras", str(cfg.max_cpu_loras)]
+    return tuple(args)
 
 
 def plan_replicas(
