@@ -151,6 +151,14 @@ def _add_deploy(sub: Subparsers) -> None:
                         help="a complete checkpoint, e.g. out/step-000120")
     target.add_argument("--watch", metavar="OUTPUT_DIR",
                         help="deploy each new checkpoint `dpserve finetune` publishes here")
+    kind = deploy.add_mutually_exclusive_group()
+    kind.add_argument("--name", metavar="NAME",
+                      help="CHECKPOINT_DIR is a LoRA adapter: serve it as model NAME beside "
+                           "the base (replicas started with --enable-lora); a new version "
+                           "of NAME replaces the last once loaded everywhere")
+    kind.add_argument("--merge", action="store_true",
+                      help="CHECKPOINT_DIR is a LoRA adapter: fold it into full weights "
+                           "(beside it, in merged/) and hot-load those")
     deploy.add_argument("--batch", type=int, help="replicas reloaded at once (default 1)")
     deploy.add_argument("--canary-prompt", help="prompt of each replica's canary request")
     deploy.add_argument("--drain-wait-s", type=float,
@@ -276,6 +284,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _merged(adapter: Path) -> Path | None:
+    """The full-weight checkpoint of an adapter checkpoint `OUTPUT/step-N`:
+    `OUTPUT/merged/step-N`, written now unless `--merge-on-save` already did."""
+    from dpserve.checkpoint import CheckpointError, verify_checkpoint
+    from dpserve.finetune.lora import LoraError, export_merged
+    from dpserve.finetune.state import MERGED_DIR
+
+    adapter = adapter.resolve()
+    done = adapter.parent / MERGED_DIR / adapter.name
+    try:
+        if done.is_dir():
+            verify_checkpoint(done)
+            print(f"merged checkpoint {done} (already written)", flush=True)
+            return done
+        merged = export_merged(adapter, adapter.parent / MERGED_DIR)
+    except (LoraError, CheckpointError, OSError) as exc:
+        print(f"dpserve deploy --merge: {exc}", file=sys.stderr)
+        return None
+    print(f"merged checkpoint {merged}", flush=True)
+    return merged
+
+
 def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "config-reference":
         from dpserve.config_reference import run
@@ -284,6 +314,13 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command in ("deploy", "status"):
         from dpserve.rollout.client import run_admin_command
 
+        if getattr(ns, "merge", False):
+            if ns.checkpoint is None:
+                raise ConfigError("merge: give an adapter CHECKPOINT_DIR, not --watch")
+            merged = _merged(Path(ns.checkpoint))
+            if merged is None:
+                return 2
+            ns.checkpoint = str(merged)
         return run_admin_command(ns)
 
     from dpserve.serve import PortInUseError  # heavy imports only when serving

@@ -119,10 +119,13 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
     except AdminError as exc:
         print(f"deploy refused: {exc}", file=out, flush=True)
         return 1
-    print(f"deploy {record['id']}: {record['checkpoint']}\n"
-          f"  version {record['version']} (was {record['previous_version']}), "
-          f"{len(record['replicas'])} replica(s), {record['options']['batch']} at a time",
-          file=out, flush=True)
+    n = len(record["replicas"])
+    what = (f"adapter {record['adapter']} version {record['version']} (was "
+            f"{record['previous_version'] or 'not served'}), {n} replica(s), all at once"
+            if record.get("adapter") else
+            f"version {record['version']} (was {record['previous_version']}), {n} "
+            f"replica(s), {record['options']['batch']} at a time")
+    print(f"deploy {record['id']}: {record['checkpoint']}\n  {what}", file=out, flush=True)
     shown: dict[str, tuple[Any, ...]] = {}
     started = time.monotonic()
     while True:
@@ -232,8 +235,8 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             if ns.command == "status":
                 return await run_status(client, out)
             options = {name: getattr(ns, name) for name in
-                       ("batch", "canary_prompt", "drain_wait_s")
-                       if getattr(ns, name) is not None}
+                       ("batch", "canary_prompt", "drain_wait_s", "name")
+                       if getattr(ns, name, None) is not None}
             if watched is not None:
                 return await run_watch(client, watched, options, out,
                                        interval_s=ns.interval_s, max_deploys=ns.max_deploys,
