@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dpserve.config import RouterConfig, ServeConfig
+from dpserve.config import RouterConfig, ServeConfig, parse_lora_spec
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
 from dpserve.replicas.launcher import (
@@ -34,8 +35,10 @@ from dpserve.rollout.api import deploy_routes
 from dpserve.rollout.converge import Restarter
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.lock import DeployLock
+from dpserve.rollout.progress import DeployOptions, DeployState
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
+from dpserve.rollout.validate import Refused
 from dpserve.router.adapters import Adapters
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory
@@ -43,6 +46,10 @@ from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 log = logging.getLogger("dpserve.serve")
+
+START_ADAPTERS_WAIT_S = 60.0
+"""How long `--lora` adapters wait for every replica to be in rotation before loading
+(into those that are; the others get them before they turn ready)."""
 
 
 class PortInUseError(OSError):
@@ -193,6 +200,13 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
     try:
         serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
+        if config.loras:
+            problem = await deploy_start_adapters(rollout, pool, config)
+            if problem is not None:
+                log.error("%s", problem)
+                server.should_exit = True
+                await serving
+                return 1
         return await _serve_until_stopped(server, signals, serving)
     finally:
         await rollout.aclose()
@@ -240,6 +254,10 @@ async def run_serve(config: ServeConfig) -> int:
             starting.result()  # raises ReplicaStartError
             log.info("all %d replicas healthy; OpenAI API on http://%s:%d/v1", len(specs),
                      config.router.host, config.router.port)
+            problem = await deploy_start_adapters(rollout, pool, config.router)
+            if problem is not None:
+                log.error("%s", problem)
+                return 1
         else:
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError, ReplicaStartError):
@@ -263,6 +281,29 @@ async def run_serve(config: ServeConfig) -> int:
             gpu_metrics.close()
         signals.close()
         log.info("stopped")
+
+
+async def deploy_start_adapters(rollout: Rollout, pool: ReplicaPool,
+                                config: RouterConfig) -> str | None:
+    """Deploy each `--lora NAME=DIR` as `dpserve deploy DIR --name NAME` would, once the
+    replicas are in rotation; why one could not be, or None."""
+    if not config.loras:
+        return None
+    deadline = time.monotonic() + START_ADAPTERS_WAIT_S
+    while len(pool.ready()) < len(pool) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # health checks admit replicas on their own schedule
+    for spec in config.loras:
+        name, path = parse_lora_spec(spec)
+        try:
+            where = await asyncio.to_thread(os.path.abspath, path)
+            progress = await rollout.start(where, DeployOptions(), name=name)
+        except Refused as exc:
+            return f"--lora {spec}: refused: {exc.message}"
+        await rollout.wait()
+        if progress.state is not DeployState.SUCCEEDED:
+            return f"--lora {spec}: {progress.state.value}: {progress.error}"
+        log.info("adapter %s serves version %s", name, progress.version)
+    return None
 
 
 async def _serve_until_stopped(
