@@ -10,7 +10,7 @@ without loading the model:
 1. `dpserve.json` is present and valid, every file matches its sha256, nothing
    else is in the directory (`checkpoint.verify_checkpoint`, or the snapshot store
    as it copies the checkpoint: `dpserve.rollout.snapshot`), and its `kind` is
-   full weights, not a LoRA adapter (which needs `dpserve export-merged` first);
+   full weights, not a LoRA adapter (deployed with `--name`, or `--merge`);
 2. `config.json` equals the served model's (architecture, sizes, vocab size);
 3. tensor names, shapes and dtypes equal the served model's, read from the
    safetensors headers (8-byte length + JSON), not from the tensors; each tensor's
@@ -275,8 +275,9 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
     kind = checkpoint_kind(meta)
     if kind == "lora":  # before any replica is touched: vLLM cannot hot-load an adapter
         raise refused(422, f"{ckpt_dir}: is a LoRA adapter (kind lora), not full weights; "
-                           "write merged weights with `dpserve export-merged "
-                           f"{ckpt_dir} OUTPUT` and deploy those")
+                           "serve it beside the base with `dpserve deploy CHECKPOINT --name "
+                           "NAME` (replicas started with --enable-lora), or fold it into "
+                           "full weights with `dpserve deploy CHECKPOINT --merge`")
     if kind != "full":
         raise refused(422, f"{ckpt_dir}: holds kind {kind!r} (see extra in {META_FILE}), "
                            "not full weights; this dpserve deploys only kind full")

@@ -141,8 +141,8 @@ def test_a_truncated_safetensors_header_is_refused(tiny_model, served, tmp_path)
 
 
 @pytest.mark.parametrize(("kind", "message"), [
-    ("lora", "is a LoRA adapter (kind lora), not full weights; write merged weights with "
-             "`dpserve export-merged"),
+    ("lora", "is a LoRA adapter (kind lora), not full weights; serve it beside the base "
+             "with `dpserve deploy CHECKPOINT --name NAME`"),
     ("qlora", "holds kind 'qlora' (see extra in dpserve.json), not full weights"),
 ])
 def test_an_adapter_checkpoint_is_refused_where_full_weights_are_needed(served, tmp_path,
