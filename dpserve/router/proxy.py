@@ -58,7 +58,7 @@ from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.metrics import RouterMetrics, status_class
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
-from dpserve.router.request import ClientGone, parse_request, read_body
+from dpserve.router.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
@@ -198,15 +198,18 @@ class ProxyEndpoint:
     def _prepare(self, ex: Exchange, scope: Scope) -> None:
         """What routing needs from the body, and the upstream request's line and head."""
         if self._has_body:
+            # With adapters served, their names are resolved first (a replaced version
+            # is a 404 that says which one serves), then anything else is checked.
+            adapters = bool(self._adapters)
             known = self._pool.served_models()
-            if self._adapters:
-                known = known | self._adapters.names()
             parsed = parse_request(ex.body, scope["headers"], route=self.route,
-                                   known_models=known, keys=self._keys,
-                                   prefix_chars=self._config.prefix_chars)
+                                   known_models=frozenset() if adapters else known,
+                                   keys=self._keys, prefix_chars=self._config.prefix_chars)
             ex.info, ex.stream = parsed.info, parsed.stream
-            if self._adapters:
+            if adapters:
                 self._resolve_adapter(ex)
+                if ex.adapter is None:
+                    check_model(ex.info.model, known)
         else:
             ex.info = RequestInfo(route=self.route)
         query = scope.get("query_string", b"")

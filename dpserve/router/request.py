@@ -88,6 +88,13 @@ class ParsedRequest:
     """The client asked for a stream (`"stream": true`)."""
 
 
+def check_model(model: str | None, known_models: frozenset[str]) -> None:
+    """RouterError 404 (OpenAI's words) for a model no replica serves; `known_models`
+    empty means not known yet: anything passes."""
+    if model is not None and known_models and model not in known_models:
+        raise RouterError(404, f"The model `{model}` does not exist.", param="model")
+
+
 def parse_request(
     body: bytes,
     headers: Iterable[tuple[bytes, bytes]],
@@ -117,8 +124,7 @@ def parse_request(
     stream = payload.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise RouterError(400, "'stream' must be a boolean", param="stream")
-    if model is not None and known_models and model not in known_models:
-        raise RouterError(404, f"The model `{model}` does not exist.", param="model")
+    check_model(model, known_models)
     info = RequestInfo(
         route=route, model=model,
         session_id=session_id(headers, payload) if "session_id" in keys else None,

@@ -151,7 +151,7 @@ def test_refused_adapters_change_nothing(fleet: Fleet) -> None:
 def test_an_adapter_answers_as_peft_runs_it_under_the_name_the_client_used(fleet: Fleet):
     done = deploy(fleet, str(fleet.v1), "--name", "support")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "adapter support version step-000006-" in done.stdout
+    assert "adapter support version step-000006@" in done.stdout
     version = fleet.admin("/admin/deploy")["version"]
     c = client(fleet)
     for prompt in PROMPTS:
@@ -238,9 +238,9 @@ def test_a_replica_that_cannot_load_a_version_rolls_it_back_everywhere(fleet: Fl
     v3 = trained(fleet.base, write_train_data(fleet.work / "train3.jsonl", n=32),
                  fleet.work / "v3", nproc=1, micro_batch_size=4, lr=2e-2, max_steps=3,
                  lora_rank=8)
-    from dpserve.rollout.validate_adapter import adapter_version
+    from dpserve.rollout.deployed import checkpoint_version
 
-    name = f"support@{adapter_version(v3, ckpt.read_meta(v3))}"
+    name = f"support@{checkpoint_version(ckpt.read_meta(v3))}"
     _, r1_port = fleet.d.replicas()["r1"]
     r = httpx.post(f"http://127.0.0.1:{r1_port}/v1/load_lora_adapter",
                    json={"lora_name": name, "lora_path": str(v3)}, timeout=120)
