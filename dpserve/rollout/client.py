@@ -196,16 +196,22 @@ async def run_watch(client: AdminClient, output_dir: Path, options: dict[str, An
 
 
 async def run_status(client: AdminClient, out: TextIO) -> int:
-    """Print every replica's state, load and weight version, and the last deploy."""
+    """Print every replica's state, load, weight version and adapters, and the last
+    deploy."""
     try:
         replicas = await client.replicas()
         last = await client.latest_deploy()
     except AdminError as exc:
         print(f"status: {exc}", file=out, flush=True)
         return 1
-    rows = [("replica", "state", "in-flight", "weight version", "device", "url")]
+    # Adapter versions are served as NAME@VERSION: a column of their own when there are.
+    loaded = [",".join(m for m in r.get("models", ()) if "@" in m) for r in replicas]
+    rows: list[tuple[str, ...]] = [
+        ("replica", "state", "in-flight", "weight version", *(("adapters",) if any(loaded)
+                                                              else ()), "device", "url")]
     rows += [(r["id"], r["state"], str(r["in_flight"]), r["weight_version"] or "unknown",
-              r["device"], r["url"]) for r in replicas]
+              *((adapters or "-",) if any(loaded) else ()), r["device"], r["url"])
+             for r, adapters in zip(replicas, loaded, strict=True)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),

@@ -148,6 +148,13 @@ class RouterMetrics:
         )
         for outcome in DEPLOY_OUTCOMES:  # from 0, so increase() sees the first failure
             self.deploys.labels(outcome)
+        self.adapter_requests = Counter(
+            "dpserve_adapter_requests",
+            "Requests that named a LoRA adapter, by adapter name (its versions together; "
+            "names are few: each one is deployed by an operator).",
+            ["adapter"],
+            registry=self.registry,
+        )
         self.deploy_duration = Histogram(
             "dpserve_deploy_duration_seconds",
             "Time a rolling deploy took over the whole fleet, whatever its outcome.",

@@ -224,6 +224,7 @@ class ProxyEndpoint:
             return
         ex.adapter = version
         ex.client_model = ex.info.model or ""
+        self._metrics.adapter_requests.labels(version.name).inc()
         ex.body = rewrite_model(ex.body, version.engine_name)
         ex.info = dataclasses.replace(ex.info, adapter=version.engine_name)
 

@@ -171,6 +171,14 @@ def test_an_adapter_answers_as_peft_runs_it_under_the_name_the_client_used(fleet
     assert set(listed) == {MODEL_NAME, "support", f"support@{version}"}
     assert listed["support"].model_extra["parent"] == MODEL_NAME
     assert fleet.engine_models() == [{MODEL_NAME, f"support@{version}"}] * 2
+    status = subprocess.run([sys.executable, "-m", "dpserve", "status", "--router",
+                             fleet.d.base_url], capture_output=True, text=True, timeout=60)
+    table = status.stdout.splitlines()
+    assert "adapters" in table[0].split()
+    assert all(f"support@{version}" in row for row in table[1:3]), status.stdout
+    metrics = httpx.get(fleet.d.base_url + "/metrics", timeout=10).text
+    assert 'dpserve_adapter_requests_total{adapter="support"} 2.0' in metrics
+    assert 'dpserve_deploys_total{outcome="succeeded"} 1.0' in metrics
 
 
 def test_a_new_version_replaces_the_old_under_load_and_each_answer_is_one_versions(fleet):
