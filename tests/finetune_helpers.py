@@ -86,3 +86,21 @@ def plan_matches(model: Path, memory: dict[str, object], *, within: float = 0.05
                        ("optimizer", planned.optimizer)):
         measured = rank0[key]
         assert abs(value - measured) <= within * measured, (key, value, measured)
+
+
+def reference_greedy(model_dir: Path, prompt_ids: list[int], new_tokens: int, *,
+                     adapter: Path | None = None) -> list[int]:
+    """Greedy tokens transformers generates after `prompt_ids` (fp32), with the LoRA
+    `adapter` applied unmerged by peft when given: what a served model must answer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens,
+                             do_sample=False)
+    return out[0, len(prompt_ids):].tolist()

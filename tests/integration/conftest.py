@@ -59,18 +59,30 @@ class Deployment:
             raise
 
 
-def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment:
+def spawn_deployment(model: Path, workdir: Path, *, replicas: int,
+                     checkpoint_root: Path | None = None, serve_args: tuple[str, ...] = (),
+                     vllm_args: tuple[str, ...] = ()) -> Deployment:
+    """Start `dpserve serve` of `model` in its own process group, logging to
+    `workdir/serve.log`, without waiting for it (tests prepare checkpoints meanwhile).
+    `serve_args` go to dpserve, `vllm_args` to every engine (the last of a repeated
+    vLLM option wins)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "serve.log"
     cmd = serve_command(model, replicas=replicas, port=port, served_name=MODEL_NAME,
-                        run_dir=workdir / "runs")
+                        run_dir=workdir / "runs", checkpoint_root=checkpoint_root)
+    cut = cmd.index("--")
+    cmd = [*cmd[:cut], *serve_args, *cmd[cut:], *vllm_args]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
                                 start_new_session=True)
-    deployment = Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+    return Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment:
+    deployment = spawn_deployment(model, workdir, replicas=replicas)
     try:
-        wait_ready(deployment.base_url, proc, READY_DEADLINE_S)
+        wait_ready(deployment.base_url, deployment.proc, READY_DEADLINE_S)
     except BaseException:
         deployment.stop()
         raise RuntimeError(f"deployment did not start:\n{deployment.log()[-5000:]}") from None

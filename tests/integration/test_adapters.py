@@ -32,13 +32,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from dpserve import checkpoint as ckpt
-from dpserve.demo import serve_command, wait_ready
-from dpserve.replicas.launcher import free_port
-from tests.finetune_helpers import trained, write_train_data
-from tests.integration.conftest import MODEL_NAME, READY_DEADLINE_S, Deployment, offline_env
+from dpserve.demo import wait_ready
+from tests.finetune_helpers import reference_greedy, trained, write_train_data
+from tests.integration.conftest import (
+    MODEL_NAME,
+    READY_DEADLINE_S,
+    Deployment,
+    offline_env,
+    spawn_deployment,
+)
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -71,23 +75,15 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("adapters")
     base = work / "base"  # deploys read checkpoints beside the served model
     shutil.copytree(tiny_model, base)
-    port = free_port()
-    log_path = work / "serve.log"
-    cmd = serve_command(base, replicas=2, port=port, served_name=MODEL_NAME,
-                        run_dir=work / "runs", checkpoint_root=work)
-    cut = cmd.index("--")
-    cmd[cut:cut] = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
-                                start_new_session=True)
-    d = Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+    d = spawn_deployment(base, work, replicas=2, checkpoint_root=work, serve_args=(
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"))
     try:
         data = write_train_data(work / "train.jsonl")
         lora = {"nproc": 1, "micro_batch_size": 4, "lr": 2e-2}
         v1 = trained(base, data, work / "v1", max_steps=6, lora_rank=8, **lora)
         v2 = trained(base, data, work / "v2", max_steps=12, lora_rank=8, **lora)
         rank16 = trained(base, data, work / "r16", max_steps=1, lora_rank=16, **lora)
-        wait_ready(d.base_url, proc, READY_DEADLINE_S)
+        wait_ready(d.base_url, d.proc, READY_DEADLINE_S)
         yield Fleet(d, base, v1, v2, rank16, work)
     finally:
         d.stop()
@@ -97,21 +93,6 @@ def deploy(f: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "dpserve", "deploy", *args,
                            "--router", f.d.base_url], capture_output=True, text=True,
                           timeout=600, env=offline_env())
-
-
-def peft_greedy(base: Path, adapter: Path | None, prompt_ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def prompt_ids(f: Fleet, prompt: str) -> list[int]:
@@ -162,11 +143,12 @@ def test_an_adapter_answers_as_peft_runs_it_under_the_name_the_client_used(fleet
         answer = raw.parse()
         assert raw.headers["x-dpserve-weight-version"] == version
         assert answer.model == "support"
-        assert answer.choices[0].token_ids == peft_greedy(fleet.base, fleet.v1, ids), prompt
+        assert answer.choices[0].token_ids == reference_greedy(
+            fleet.base, ids, NEW_TOKENS, adapter=fleet.v1), prompt
     base_ids = prompt_ids(fleet, PROMPTS[0])
     plain = c.completions.create(model=MODEL_NAME, prompt=base_ids, max_tokens=NEW_TOKENS,
                                  temperature=0, extra_body={"return_token_ids": True})
-    assert plain.choices[0].token_ids == peft_greedy(fleet.base, None, base_ids)
+    assert plain.choices[0].token_ids == reference_greedy(fleet.base, base_ids, NEW_TOKENS)
     listed = {m.id: m for m in c.models.list().data}
     assert set(listed) == {MODEL_NAME, "support", f"support@{version}"}
     assert listed["support"].model_extra["parent"] == MODEL_NAME
@@ -184,7 +166,8 @@ def test_an_adapter_answers_as_peft_runs_it_under_the_name_the_client_used(fleet
 def test_a_new_version_replaces_the_old_under_load_and_each_answer_is_one_versions(fleet):
     v1 = fleet.admin("/admin/deploy")["version"]
     ids = prompt_ids(fleet, PROMPTS[1])
-    expected = {repr(peft_greedy(fleet.base, a, ids)): a.name for a in (fleet.v1, fleet.v2)}
+    expected = {repr(reference_greedy(fleet.base, ids, NEW_TOKENS, adapter=a)): a.name
+                for a in (fleet.v1, fleet.v2)}
     assert len(expected) == 2, "the two versions must answer differently to tell them apart"
     answers: list[tuple[str, list[int]]] = []
     errors: list[BaseException] = []
@@ -280,6 +263,7 @@ def test_merge_folds_the_adapter_into_full_weights_and_hot_loads_them(fleet: Fle
     answer = client(fleet).completions.create(
         model=MODEL_NAME, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
         extra_body={"return_token_ids": True})
-    assert answer.choices[0].token_ids == peft_greedy(fleet.base, fleet.v1, ids)
+    assert answer.choices[0].token_ids == reference_greedy(fleet.base, ids, NEW_TOKENS,
+                                                           adapter=fleet.v1)
     meta = json.loads((fleet.v1.parent / "merged" / fleet.v1.name / ckpt.META_FILE).read_text())
     assert meta["extra"]["kind"] == "full"

@@ -36,11 +36,16 @@ import httpx
 import pytest
 import torch
 
-from dpserve.demo import serve_command, wait_ready
-from dpserve.replicas.launcher import free_port
+from dpserve.demo import wait_ready
 from dpserve.rollout.deployed import weights_for
 from tests.finetune_helpers import trained, write_train_data
-from tests.integration.conftest import MODEL_NAME, READY_DEADLINE_S, Deployment, offline_env
+from tests.integration.conftest import (
+    MODEL_NAME,
+    READY_DEADLINE_S,
+    Deployment,
+    offline_env,
+    spawn_deployment,
+)
 from tests.procs import processes_in_group
 from tests.rollout.checkpoints import edit_json, other_vocabulary, perturbed, write_variant
 from tests.waiting import wait_for_sync
@@ -77,17 +82,11 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("deploy")
-    port = free_port()
-    log_path = work / "serve.log"
     # The model's full context (vLLM takes the last --max-model-len): room for a generation
     # long enough to hold a replica in `draining` through a rollout's first steps.
-    cmd = [*serve_command(tiny_model, replicas=2, port=port, served_name=MODEL_NAME,
-                          run_dir=work / "runs", checkpoint_root=work),
-           "--max-model-len", str(LONG_CONTEXT)]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
-                                start_new_session=True)
-    d = Deployment(f"http://127.0.0.1:{port}", proc, log_path)
+    d = spawn_deployment(tiny_model, work, replicas=2, checkpoint_root=work,
+                         vllm_args=("--max-model-len", str(LONG_CONTEXT)))
+    proc = d.proc
     try:
         data = write_train_data(work / "train.jsonl")
         finetuned = trained(tiny_model, data, work / "out", nproc=1, micro_batch_size=4,

@@ -12,32 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from dpserve import checkpoint as ckpt
-from tests.finetune_helpers import trained, write_train_data
+from tests.finetune_helpers import reference_greedy, trained, write_train_data
 from tests.integration.conftest import MODEL_NAME, start_deployment
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["Write about the river (1):", "Tell me about rain.", "The baker"]
 NEW_TOKENS = 12
-
-
-def transformers_greedy(ckpt_dir: Path, prompt_ids: list[int], *, adapter: Path | None = None,
-                        ) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def served_greedy(checkpoint: Path, workdir: Path, expected: dict[str, object]) -> None:
@@ -67,7 +50,7 @@ def test_a_finetuned_checkpoint_is_served_by_vllm_as_transformers_runs_it(tiny_m
     checkpoint = trained(tiny_model, data, tmp_path / "out", nproc=2, micro_batch_size=4,
                          max_steps=10)
     served_greedy(checkpoint, tmp_path / "serve", {
-        p: (lambda ids: transformers_greedy(checkpoint, ids)) for p in PROMPTS})
+        p: (lambda ids: reference_greedy(checkpoint, ids, NEW_TOKENS)) for p in PROMPTS})
 
 
 def test_a_merged_lora_adapter_is_served_by_vllm_as_peft_runs_the_adapter(tiny_model,
@@ -87,8 +70,8 @@ def test_a_merged_lora_adapter_is_served_by_vllm_as_peft_runs_the_adapter(tiny_m
 
     def with_adapter(ids: list[int]) -> list[int]:
         nonlocal changed
-        tokens = transformers_greedy(tiny_model, ids, adapter=adapter)
-        changed |= tokens != transformers_greedy(tiny_model, ids)
+        tokens = reference_greedy(tiny_model, ids, NEW_TOKENS, adapter=adapter)
+        changed |= tokens != reference_greedy(tiny_model, ids, NEW_TOKENS)
         return tokens
 
     served_greedy(merged, tmp_path / "serve", dict.fromkeys(PROMPTS, with_adapter))
