@@ -80,10 +80,15 @@ class AdapterDeploys:
             fingerprint = self._fingerprints[key] = base_fingerprint(key)
         info = validate_adapter(snapshot, meta, served_base=served_weights,
                                 served_fingerprint=fingerprint, max_lora_rank=self._max_rank)
-        current = self.adapters.current(name)
-        if current is not None and current.version == info.version:
-            raise Refused(409, f"{name} already serves version {info.version}")
-        return AdapterVersion(name=name, version=info.version, path=info.path, rank=info.rank)
+        version = AdapterVersion(name=name, version=info.version, path=info.path,
+                                 rank=info.rank)
+        loaded = self.adapters.get(version.engine_name)
+        if loaded is not None:
+            raise Refused(409, f"{name} already serves version {info.version}"
+                          if not loaded.retiring else
+                          f"version {info.version} of {name} was replaced and is still "
+                          "finishing its requests; deploy it again once it is unloaded")
+        return version
 
     def in_use(self) -> list[str]:
         """Snapshot directories of every loaded version (not to be pruned)."""

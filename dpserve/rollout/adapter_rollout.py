@@ -47,6 +47,7 @@ async def load_everywhere(adapters: Adapters, version: AdapterVersion,
                           replicas: Iterable[Replica], admin_for: AdminFor) -> None:
     """Load `version` into every serving replica at once, then make its name mean it.
     AdapterLoadFailed (nothing left loaded, the name unchanged) if any replica fails."""
+    replicas = list(replicas)
     targets = [r for r in replicas if r.state in (ReplicaState.READY, ReplicaState.DRAINING)]
     if not targets:
         raise AdapterLoadFailed("no replica is serving: nothing to load the adapter into")
@@ -54,8 +55,8 @@ async def load_everywhere(adapters: Adapters, version: AdapterVersion,
     results = await asyncio.gather(
         *(_load(admin_for(r), r, version) for r in targets), return_exceptions=True)
     failed = [(r, e) for r, e in zip(targets, results, strict=True) if e is not None]
-    if failed:
-        await unload_everywhere(adapters, version, targets, admin_for)
+    if failed:  # from every replica that has it: one may have been admitted meanwhile
+        await unload_everywhere(adapters, version, replicas, admin_for)
         reasons = "; ".join(f"replica {r.id}: {e}" for r, e in failed)
         raise AdapterLoadFailed(f"{version.engine_name} did not load ({reasons}); "
                                 "unloaded from the others, nothing changed")

@@ -112,3 +112,20 @@ async def test_no_serving_replica_is_a_clear_failure():
         r.state = ReplicaState.STARTING
     with pytest.raises(AdapterLoadFailed, match="no replica is serving"):
         await load_everywhere(Adapters(), version("v1"), replicas, lambda r: engines[r.id])
+
+
+async def test_a_failed_version_is_unloaded_from_a_replica_admitted_during_the_load():
+    replicas, engines = fleet(r1=frozenset({"support@v1"}))
+    replicas.append(late := Replica("r2", "http://127.0.0.1:9002", state=ReplicaState.STARTING))
+    engines["r2"] = EngineAdapters()
+    adapters = Adapters()
+
+    def admin_for(r):
+        if r.id == "r1" and late.state is ReplicaState.STARTING:  # r2 turns ready meanwhile
+            late.state = ReplicaState.READY
+            asyncio.get_running_loop().create_task(converge(adapters, late, engines["r2"]))
+        return engines[r.id]
+
+    with pytest.raises(AdapterLoadFailed):
+        await load_everywhere(adapters, version("v1"), replicas, admin_for)
+    assert all(e.loaded == {} for e in engines.values())

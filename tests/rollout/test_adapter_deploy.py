@@ -1,0 +1,60 @@
+"""What `AdapterDeploys` refuses before any engine is touched, beyond the adapter's own
+checks (`test_validate_adapter.py`): a version that is already loaded, whether it
+serves or is still finishing the requests of a replaced version."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpserve.rollout.adapter_deploy import AdapterDeploys
+from dpserve.rollout.validate import Refused
+from dpserve.router.adapters import Adapters, AdapterVersion
+from dpserve.router.pool import ReplicaPool
+from tests.rollout.checkpoints import write_adapter
+
+
+def deploys() -> AdapterDeploys:
+    return AdapterDeploys(ReplicaPool([]), Adapters(), enabled=True, max_lora_rank=8)
+
+
+def test_an_adapter_checked_against_the_served_weights_becomes_a_version(tiny_model, tmp_path):
+    path, meta = write_adapter(tiny_model, tmp_path)
+    version = deploys().validate("support", path, meta, served_weights=tiny_model)
+    assert version.name == "support" and version.rank == 4 and not version.serving
+    assert version.version.startswith("step-000007@") and version.path == str(path)
+
+
+@pytest.mark.parametrize(("retiring", "message"), [
+    (False, "support already serves version step-000007@"),
+    (True, "was replaced and is still finishing its requests"),
+])
+def test_a_version_already_loaded_is_refused(tiny_model, tmp_path, retiring, message):
+    path, meta = write_adapter(tiny_model, tmp_path)
+    d = deploys()
+    v = d.validate("support", path, meta, served_weights=tiny_model)
+    d.adapters.add(v)
+    d.adapters.switch(v)
+    if retiring:
+        d.adapters.add(newer := AdapterVersion("support", "newer", "/snap/newer", 4))
+        d.adapters.switch(newer)
+    with pytest.raises(Refused) as exc:
+        d.validate("support", path, meta, served_weights=tiny_model)
+    assert exc.value.status == 409 and message in exc.value.message
+
+
+@pytest.mark.parametrize(("name", "status", "message"), [
+    ("tiny", 409, "is the served base model's name"),
+    ("a/b", 400, "must be 1-64 letters"),
+    ("x@1", 400, "must be 1-64 letters"),
+])
+def test_names_that_cannot_serve_an_adapter_are_refused(name, status, message):
+    with pytest.raises(Refused) as exc:
+        deploys().check_request(name, frozenset({"tiny"}))
+    assert exc.value.status == status and message in exc.value.message
+
+
+def test_replicas_without_adapters_refuse_saying_how_to_start_them():
+    d = AdapterDeploys(ReplicaPool([]), Adapters(), enabled=False, max_lora_rank=8)
+    with pytest.raises(Refused) as exc:
+        d.check_request("support", frozenset())
+    assert exc.value.status == 409 and "--enable-lora" in exc.value.message
