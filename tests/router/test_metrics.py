@@ -9,7 +9,8 @@ from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 # Every label a router metric may carry: each has a small, known set of values.
-BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason"}
+# `adapter` takes only names an operator deployed (requests naming others are not counted).
+BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason", "adapter"}
 
 
 def router_metrics() -> RouterMetrics:
