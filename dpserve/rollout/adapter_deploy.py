@@ -97,21 +97,17 @@ class AdapterDeploys:
     async def run(self, progress: DeployProgress, version: AdapterVersion) -> DeployState:
         """Load everywhere and switch; the deploy's final state (its error noted)."""
         replicas = list(self._pool)
-        client = self._client_factory()
-
-        def admin_for(replica: Replica) -> EngineAdmin:
-            return EngineAdmin(client, replica.url)
-
         previous = self.adapters.current(version.name)
         progress.event(f"loading {version.engine_name} into {len(replicas)} replica(s)")
-        try:
-            await load_everywhere(self.adapters, version, replicas, admin_for)
-        except AdapterLoadFailed as exc:
-            await client.aclose()
-            for r in progress.replicas:
-                r.phase = Phase.ROLLED_BACK
-            progress.error = str(exc)
-            return DeployState.ROLLED_BACK
+        async with self._client_factory() as client:
+            try:
+                await load_everywhere(self.adapters, version, replicas,
+                                      lambda r: EngineAdmin(client, r.url))
+            except AdapterLoadFailed as exc:
+                for r in progress.replicas:
+                    r.phase = Phase.ROLLED_BACK
+                progress.error = str(exc)
+                return DeployState.ROLLED_BACK
         for r in progress.replicas:
             loaded = r.id in version.replicas
             r.phase = Phase.DONE if loaded else Phase.SKIPPED
@@ -120,20 +116,16 @@ class AdapterDeploys:
         progress.event(f"{version.name} now means {version.version}"
                        + (f" (was {previous.version}, retiring)" if previous else ""))
         if previous is not None:
-            task = asyncio.create_task(self._retire(previous, client),
+            task = asyncio.create_task(self._retire(previous),
                                        name=f"dpserve-retire-{previous.engine_name}")
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
-        else:
-            await client.aclose()
         return DeployState.SUCCEEDED
 
-    async def _retire(self, version: AdapterVersion, client: httpx.AsyncClient) -> None:
-        try:
+    async def _retire(self, version: AdapterVersion) -> None:
+        async with self._client_factory() as client:
             await retire(self.adapters, version, lambda: list(self._pool),
                          lambda r: EngineAdmin(client, r.url))
-        finally:
-            await client.aclose()
 
     async def admit(self, replica: Replica) -> str | None:
         """Load the served versions `replica` lacks before it turns ready (it restarted,

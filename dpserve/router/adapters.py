@@ -165,11 +165,17 @@ def _card(model_id: str, version: AdapterVersion, parent: object, created: objec
 
 
 def rewrite_model(body: bytes, engine_name: str) -> bytes:
-    """The request body with `model` set to `engine_name` (the body was already parsed
-    as a JSON object, so this cannot fail); other fields are kept as they were sent."""
+    """The request body with `model` set to `engine_name`, every other field's value
+    kept (the body was parsed as a JSON object already). Written back as ASCII JSON: a
+    string may hold a lone surrogate (`"\\ud800"` is valid JSON) that UTF-8 cannot
+    encode, and escaped it reaches the engine exactly as the client sent it.
+    RouterError 400 if writing it back nests deeper than Python can."""
     payload = json.loads(body)
     payload["model"] = engine_name
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(payload, separators=(",", ":")).encode()
+    except RecursionError:
+        raise RouterError(400, "request body is nested too deeply") from None
 
 
 def rename_model(data: bytes, engine_name: str, client_name: str) -> bytes:

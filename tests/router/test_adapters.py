@@ -91,6 +91,14 @@ def test_the_request_body_names_the_engine_version_and_keeps_everything_else():
     assert out == {"model": "support@v2", "prompt": "café €", "max_tokens": 3}
 
 
+@given(prompt=st.text(max_size=50) | st.just("\ud800 lone surrogate"))
+def test_any_json_string_survives_the_rewrite_as_the_client_sent_it(prompt):
+    body = json.dumps({"model": "support", "prompt": prompt, "n": 1}).encode()
+    rewritten = rewrite_model(body, "support@v2")
+    assert rewritten.isascii()
+    assert json.loads(rewritten) == {"model": "support@v2", "prompt": prompt, "n": 1}
+
+
 def test_the_answer_names_the_model_the_client_asked_for():
     chunk = (b'data: {"id":"cmpl-1","object":"text_completion","model":"support@v2",'
              b'"choices":[{"index":0,"text":"hi"}]}\n\n')

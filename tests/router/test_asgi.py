@@ -53,7 +53,10 @@ def test_the_replica_gets_the_clients_headers_less_hop_by_hop_and_the_routers_fr
     parsed, complete = parse(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\n" + block,
                              b"a" * length)
     assert complete  # exactly one request, framed by the router's own length
-    assert parsed[1:-2] == [(n.encode(), v.encode()) for n, v in kept]
+    # `connection: x` makes a header named x hop-by-hop too: it is not forwarded either.
+    nominated = {"x"} if "connection" in hop else set()
+    assert parsed[1:-2] == [(n.encode(), v.encode()) for n, v in kept
+                            if n.lower() not in nominated]
     assert parsed[-2:] == [(b"x-request-id", b"rid-1"), (b"content-length", str(length).encode())]
 
 
