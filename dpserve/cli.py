@@ -68,6 +68,9 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                       help="replicas take LoRA adapters at run time (serve: starts them so)")
     lora.add_argument("--max-loras", type=int,
                       help="adapters a replica computes with at once (default 1)")
+    lora.add_argument("--lora-affinity", action=argparse.BooleanOptionalAction, default=None,
+                      help="adapter requests prefer replicas where their adapter is running "
+                           "(default on)")
     lora.add_argument("--max-lora-rank", type=int,
                       help="largest adapter rank the replicas accept (default 16)")
     lora.add_argument("--max-cpu-loras", type=int,

@@ -80,7 +80,8 @@ class RouterConfig:
     load_factor: float | None = None
     """Affinity policies: a replica takes a key's request only while its in-flight count
     is under `load_factor` x the fleet average (bounded loads). Default: 3 for
-    `prefix-affinity` (a prefix's cache is worth some queueing), 2 for `session-affinity`."""
+    `prefix-affinity` (a prefix's cache is worth some queueing), 2 for `session-affinity`,
+    1.5 for the adapter preference of `lora_affinity`."""
     engine_scrape_interval_s: float = 1.0
     """`engine-load`: period of reading every replica's /metrics (queue, KV cache)."""
     max_in_flight_per_replica: int = 0
@@ -192,6 +193,11 @@ class RouterConfig:
     max_loras: int = 1
     """Adapters one replica computes with at once (vLLM's `--max-loras`); a request for
     another waits for a slot. Fewer than the adapters in use makes routing matter."""
+    lora_affinity: bool = True
+    """With `enable_lora`: a request for an adapter prefers replicas where that adapter
+    is running (else one with a free slot, else the least work of other adapters),
+    within `load_factor` x the average in flight (default 1.5); `policy` chooses among
+    them. Off: adapter requests are placed by `policy` alone."""
     max_lora_rank: int = 16
     """Largest adapter rank the replicas accept (vLLM's `--max-lora-rank`; memory is
     reserved for it); a deploy of a higher rank is refused before any replica changes."""

@@ -77,8 +77,10 @@ class Router:
         self.pool = pool
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(pool)
-        self.policy = make_policy(config.policy, prefix_chars=config.prefix_chars,
-                                  load_factor=config.load_factor)
+        self.policy = make_policy(
+            config.policy, prefix_chars=config.prefix_chars, load_factor=config.load_factor,
+            adapter_slots=config.max_loras if config.enable_lora and config.lora_affinity
+            else None)
         self.dispatcher = Dispatcher(pool, self.policy, config)
         self.adapters = adapters if adapters is not None else Adapters()
         """LoRA adapter versions served beside the base model (filled by deploys)."""

@@ -46,30 +46,41 @@ class Unavailable(RouterError):
 class Slot:
     """One attempt's hold on one replica, as a context manager.
 
-    Entering counts the attempt in flight on the replica; leaving gives the count
+    Entering counts the attempt in flight on the replica (and under its adapter, if
+    it runs on one); leaving gives the count
     back, records `outcome` in the replica's circuit breaker, updates the mean
     service time (successes only) and wakes the admission queue. Set `outcome` as
     the attempt learns how it went; left unset, the attempt counts as aborted by the
     router (cancelled, client gone), which no breaker holds against a replica.
     """
 
-    __slots__ = ("_dispatcher", "outcome", "permit", "replica", "started")
+    __slots__ = ("_dispatcher", "adapter", "outcome", "permit", "replica", "started")
 
-    def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit) -> None:
+    def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit,
+                 adapter: str | None = None) -> None:
         self._dispatcher = dispatcher
         self.replica = replica
         self.permit = permit
+        self.adapter = adapter
         self.outcome = Outcome.ABORTED
         self.started = 0.0
 
     def __enter__(self) -> Slot:
         self.replica.in_flight += 1
+        if self.adapter is not None:
+            counts = self.replica.adapters_in_flight
+            counts[self.adapter] = counts.get(self.adapter, 0) + 1
         self.started = self._dispatcher._clock()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.replica.in_flight -= 1
+        if self.adapter is not None:
+            counts = self.replica.adapters_in_flight
+            left = counts.pop(self.adapter) - 1
+            if left:
+                counts[self.adapter] = left
         self._dispatcher._finished(self)
 
 
@@ -129,7 +140,7 @@ class Dispatcher:
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:
             raise self._nothing_open(tried)
-        return Slot(self, replica, permit)
+        return Slot(self, replica, permit, adapter)
 
     def _nothing_open(self, tried: Collection[str]) -> Unavailable:
         if tried:

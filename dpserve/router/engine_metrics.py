@@ -15,14 +15,20 @@ that has not reported yet must not look idle.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
+LORA_INFO = "vllm:lora_requests_info"
+"""One sample per set of adapters seen (labels `running_lora_adapters`,
+`waiting_lora_adapters`: comma-separated names; `max_lora`), its value the time that
+set was last current: the newest sample is the engine's state now."""
 
 _SUMMED = (RUNNING, WAITING, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
 _WANTED = frozenset((*_SUMMED, KV_CACHE_USAGE))
@@ -42,6 +48,15 @@ class EngineLoad:
     """Tokens looked up in the prefix cache since the engine started (a counter)."""
     prefix_cache_hits: float | None = None
     """Tokens found in the prefix cache since the engine started (a counter)."""
+    lora_running: frozenset[str] | None = None
+    """LoRA adapters (engine names) of the requests in the running batch."""
+    lora_waiting: frozenset[str] | None = None
+    """LoRA adapters of the requests waiting, e.g. for a free adapter slot."""
+    max_loras: int | None = None
+    """Adapters the engine computes with at once (its `--max-loras`)."""
+    lora_at: float | None = None
+    """Unix time the engine last reported those sets (at every step it runs): an idle
+    engine keeps reporting the adapters of its last step, which are no longer running."""
 
     @property
     def num_requests(self) -> int | None:
@@ -66,11 +81,16 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     """
     sums: dict[str, float] = {}
     kv_usage: float | None = None
-    for line in text.splitlines():
+    lora: tuple[float, str] | None = None  # (newest time, its line)
+    for line in text.split("\n"):  # the format's only line end; \r may be in a label
         sample = _parse_sample(line)
         if sample is None:
             continue
         name, value = sample
+        if name == LORA_INFO:
+            if not math.isnan(value) and (lora is None or value >= lora[0]):
+                lora = (value, line)
+            continue
         if name.endswith("_total"):  # counters are exposed as NAME_total
             name = name[: -len("_total")]
         if name not in _WANTED or math.isnan(value):
@@ -85,7 +105,69 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         kv_cache_usage_perc=kv_usage,
         prefix_cache_queries=sums.get(PREFIX_CACHE_QUERIES),
         prefix_cache_hits=sums.get(PREFIX_CACHE_HITS),
+        **(_lora_state(*lora) if lora is not None else {}),
     )
+
+
+def _lora_state(at: float, line: str) -> dict[str, Any]:
+    """The adapter fields of EngineLoad from a `vllm:lora_requests_info` sample."""
+    labels = _labels(line)
+    state: dict[str, Any] = {
+        "lora_at": at,
+        "lora_running": _names(labels.get("running_lora_adapters", "")),
+        "lora_waiting": _names(labels.get("waiting_lora_adapters", "")),
+    }
+    with contextlib.suppress(ValueError):
+        slots = int(labels.get("max_lora", ""))
+        if slots >= 1:
+            state["max_loras"] = slots
+    return state
+
+
+def _names(joined: str) -> frozenset[str]:
+    return frozenset(n for n in joined.split(",") if n)
+
+
+def _labels(line: str) -> dict[str, str]:
+    """The labels of one sample line (`name{a="x",b="y"} v`); {} when it has none or
+    they are malformed. Values are unescaped (backslash, quote and newline escapes)."""
+    start = line.find("{")
+    if start < 0:
+        return {}
+    block = line[start + 1:]
+    labels: dict[str, str] = {}
+    i = 0
+    while i < len(block):
+        eq = block.find("=", i)
+        if eq < 0 or eq + 1 >= len(block) or block[eq + 1] != '"':
+            return labels
+        key = block[i:eq].strip(" ,")
+        value, i = _quoted(block, eq + 2)
+        if i < 0:
+            return {}
+        labels[key] = value
+        while i < len(block) and block[i] in " ,":
+            i += 1
+        if i < len(block) and block[i] == "}":
+            return labels
+    return labels
+
+
+def _quoted(block: str, i: int) -> tuple[str, int]:
+    """The escaped string starting at `block[i]` (after its opening quote) and the
+    index after its closing quote; -1 for an unterminated one."""
+    out: list[str] = []
+    while i < len(block):
+        ch = block[i]
+        if ch == '"':
+            return "".join(out), i + 1
+        if ch == "\\" and i + 1 < len(block):
+            i += 1
+            out.append({"n": "\n"}.get(block[i], block[i]))
+        else:
+            out.append(ch)
+        i += 1
+    return "", -1
 
 
 def _count(value: float | None) -> int | None:

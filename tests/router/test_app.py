@@ -9,6 +9,7 @@ import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.router.app import FORWARDED_ROUTES, Router
+from dpserve.router.policies import AdapterAffinity
 from dpserve.router.pool import ReplicaPool
 from tests.conftest import running_router
 from tests.router.rawhttp import exchange, parse_responses, request
@@ -68,3 +69,11 @@ def test_a_router_is_complete_when_constructed():
     # Everything a request or a probe touches exists before start(): nothing raises.
     assert router.upstream is not None and router.health is not None
     assert router.discovery is None and router.scraper is None and router.routes == []
+
+
+def test_a_router_serving_adapters_places_them_by_affinity_unless_told_not_to():
+    lora = Router(ReplicaPool([]), RouterConfig(enable_lora=True, max_loras=2))
+    assert isinstance(lora.policy, AdapterAffinity) and lora.policy.max_loras == 2
+    assert lora.scraper is not None  # reads the engines' running adapters
+    off = Router(ReplicaPool([]), RouterConfig(enable_lora=True, lora_affinity=False))
+    assert not isinstance(off.policy, AdapterAffinity) and off.scraper is None

@@ -50,6 +50,21 @@ async def test_an_exception_releases_once_and_the_breaker_hears_the_outcome_once
     assert d.breaker(r0).consecutive_failures == 1
 
 
+async def test_a_slot_counts_its_adapter_while_held_and_forgets_it_when_none_is_left():
+    d, pool = dispatcher()
+    r0 = pool.get("r0")
+    r0.models = frozenset({"tiny", "a@1", "b@1"})
+    a, b = (RequestInfo(route="/v1/completions", adapter=n) for n in ("a@1", "b@1"))
+    with await d.choose(a, []), await d.choose(a, []):
+        with pytest.raises(RuntimeError), await d.choose(b, []):
+            assert r0.adapters_in_flight == {"a@1": 2, "b@1": 1}
+            raise RuntimeError("upstream failed")
+        with await d.choose(REQUEST, []):
+            assert r0.adapters_in_flight == {"a@1": 2}
+    assert r0.adapters_in_flight == {}
+    assert r0.in_flight == 0
+
+
 async def test_a_cancelled_attempt_releases_once_and_wakes_a_queued_request():
     d, pool = dispatcher(max_in_flight_per_replica=1)
     r0 = pool.get("r0")

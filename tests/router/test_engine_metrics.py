@@ -2,6 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from dpserve.router.engine_metrics import EngineLoad, parse_engine_metrics
 
 # Scraped from a real vLLM 0.32 CPU server (tiny model, --max-num-seqs 2) with
@@ -69,3 +72,63 @@ def test_garbage_and_nan_samples_are_skipped():
     load = parse_engine_metrics(text)
     assert load.num_requests_running == 1
     assert load.kv_cache_usage_perc is None
+
+
+LORA = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="a@1",waiting_lora_adapters=""} 1.76e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="b@2",waiting_lora_adapters="a@1,c@3"} \
+1.77e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} 1.75e+09
+"""
+
+
+def test_the_newest_adapter_report_is_the_engines_state_now():
+    load = parse_engine_metrics(LORA)
+    assert load.lora_running == frozenset({"b@2"})
+    assert load.lora_waiting == frozenset({"a@1", "c@3"})
+    assert load.max_loras == 1
+    assert load.lora_at == 1.77e9
+
+
+def test_an_engine_without_adapters_reports_no_adapter_state():
+    load = parse_engine_metrics(RECORDED)
+    assert (load.lora_running, load.lora_waiting, load.max_loras, load.lora_at) == (
+        None, None, None, None)
+
+
+def test_adapter_labels_are_unescaped_and_a_malformed_block_reads_as_empty():
+    text = ('vllm:lora_requests_info{waiting_lora_adapters="",max_lora="x",'
+            'running_lora_adapters="odd\\\\name,q\\"uote"} 5\n')
+    load = parse_engine_metrics(text)
+    assert load.lora_running == frozenset({"odd\\name", 'q"uote'})
+    assert load.max_loras is None  # not a number: unknown, not guessed
+    broken = parse_engine_metrics('vllm:lora_requests_info{running_lora_adapters="a 5\n')
+    assert broken.lora_running is None
+    unquoted = parse_engine_metrics("vllm:lora_requests_info{running_lora_adapters=a} 5\n")
+    assert unquoted.lora_running == frozenset()
+
+
+NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+def escaped(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@given(st.lists(NAMES.filter(lambda n: n and "," not in n), max_size=4),
+       st.lists(NAMES.filter(lambda n: n and "," not in n), max_size=4),
+       st.integers(1, 64))
+def test_any_adapter_names_the_engine_reports_read_back_as_they_were(run, wait, slots):
+    labels = (f'max_lora="{slots}",running_lora_adapters="{escaped(",".join(run))}",'
+              f'waiting_lora_adapters="{escaped(",".join(wait))}"')
+    load = parse_engine_metrics(f"vllm:lora_requests_info{{{labels}}} 1.7e+09\n")
+    assert (load.lora_running, load.lora_waiting, load.max_loras) == (
+        frozenset(run), frozenset(wait), slots)
+
+
+@given(st.text(max_size=200))
+def test_any_text_parses_without_raising(text):
+    parse_engine_metrics("vllm:lora_requests_info{" + text)
+    parse_engine_metrics(text)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from dpserve.config import POLICIES
+from dpserve.router.policies.adapter_affinity import ADAPTER_LOAD_FACTOR, AdapterAffinity
 from dpserve.router.policies.base import Policy, RequestInfo
 from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR
 from dpserve.router.policies.engine_load import EngineLoadPolicy
@@ -23,6 +24,7 @@ from dpserve.router.policies.session_affinity import SessionAffinity
 
 __all__ = [
     "POLICY_NAMES",
+    "AdapterAffinity",
     "EngineLoadPolicy",
     "LeastOutstanding",
     "Policy",
@@ -44,9 +46,22 @@ def make_policy(
     prefix_chars: int = DEFAULT_PREFIX_CHARS,
     load_factor: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    adapter_slots: int | None = None,
 ) -> Policy:
     """Build a policy by its configuration name; options a policy does not use are ignored.
-    `load_factor` None: each affinity policy's own default."""
+    `load_factor` None: each affinity policy's own default. `adapter_slots` (the
+    replicas' `--max-loras`): requests for a LoRA adapter prefer replicas where it is
+    active (:class:`AdapterAffinity`), then the named policy chooses among those."""
+    policy = _named_policy(name, rng=rng, prefix_chars=prefix_chars,
+                           load_factor=load_factor, clock=clock)
+    if adapter_slots is None:
+        return policy
+    return AdapterAffinity(policy, max_loras=adapter_slots, clock=clock,
+                           load_factor=load_factor or ADAPTER_LOAD_FACTOR)
+
+
+def _named_policy(name: str, *, rng: random.Random | None, prefix_chars: int,
+                  load_factor: float | None, clock: Callable[[], float]) -> Policy:
     if name == "least-outstanding":
         return LeastOutstanding(rng=rng)
     if name == "round-robin":
