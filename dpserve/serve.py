@@ -241,6 +241,10 @@ async def run_serve(config: ServeConfig) -> int:
     router.metrics.registry.register(
         gpu_metrics if gpu_metrics is not None else ProcessCollector(
             lambda: supervisor.pids, replica_cores(devices, default=len(usable_cores()))))
+    problem = await check_start_adapters(rollout, config)
+    if problem is not None:
+        log.error("%s", problem)
+        return 2
     log.info("starting %d replica(s) of %s; logs in %s", len(specs), config.model, run_dir)
     try:
         # Router first: /health and /ready answer (503 until a replica is up) while
@@ -281,6 +285,19 @@ async def run_serve(config: ServeConfig) -> int:
             gpu_metrics.close()
         signals.close()
         log.info("stopped")
+
+
+async def check_start_adapters(rollout: Rollout, config: ServeConfig) -> str | None:
+    """Check each `--lora NAME=DIR` as its deploy will, before any replica starts (a
+    wrong path or base costs no engine start-up); why one is refused, or None."""
+    served = frozenset({config.served_model_name or config.model})
+    for spec in config.router.loras or ():
+        name, path = parse_lora_spec(spec)
+        try:
+            await asyncio.to_thread(rollout.check_adapter, path, name, served)
+        except Refused as exc:
+            return f"--lora {spec}: refused: {exc.message}"
+    return None
 
 
 async def deploy_start_adapters(rollout: Rollout, pool: ReplicaPool,

@@ -4,6 +4,8 @@ the router wired to its rolling deploy."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from dpserve.replicas.launcher import free_port
 from dpserve.rollout.deployed import Deployed, Weights
 from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.serve import PortInUseError, bind_socket, compose, listen, uvicorn_server
+from tests.rollout.checkpoints import write_adapter
 
 
 def test_a_busy_port_is_a_clear_error_naming_the_address():
@@ -63,3 +66,23 @@ def test_compose_gives_the_router_its_deploy_routes_and_the_deploys_pause_test()
     replica = pool.get("r0")
     assert replica is not None and not rollout.hot_loading(replica)
     assert rollout.deployed_version() == "base:m"
+
+
+@pytest.mark.parametrize("case", ["missing", "other base", "base name"])
+def test_a_bad_start_adapter_is_one_line_before_any_replica_starts(tiny_model, tmp_path, case):
+    adapter, _ = write_adapter(tiny_model, tmp_path / "lora", extra={
+        "base_fingerprint": "0" * 64 if case == "other base" else None})
+    name, path = {"missing": ("support", tmp_path / "nowhere"),
+                  "other base": ("support", adapter),
+                  "base name": ("tiny", adapter)}[case]
+    done = subprocess.run(
+        [sys.executable, "-m", "dpserve", "serve", "--model", str(tiny_model),
+         "--served-model-name", "tiny", "--port", str(free_port()),
+         "--run-dir", str(tmp_path / "runs"), "--checkpoint-root", str(tmp_path),
+         "--enable-lora", "--lora", f"{name}={path}"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"--lora {name}={path}: refused" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not list((tmp_path / "runs").glob("*/replica-*.log"))  # no engine was started

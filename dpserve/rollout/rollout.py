@@ -254,6 +254,17 @@ class Rollout:
         except (CheckpointError, OSError) as exc:
             raise refused(422, str(exc)) from None
 
+    def check_adapter(self, checkpoint: str, name: str, served_names: frozenset[str]) -> None:
+        """What a deploy of adapter `checkpoint` (relative to the working directory) as
+        `name` checks before it changes anything (blocking: copies and hashes); Refused
+        on a problem. `dpserve serve --lora` runs it
+        before it starts a replica; the deploy reuses the snapshot taken."""
+        if self.adapters is None or self._deployed is None or self._snapshots is None:
+            raise Refused(409, "this router serves no LoRA adapters: start it with "
+                               "--enable-lora", param="name")
+        self.adapters.check_request(name, served_names)
+        self._validate_adapter(name, Path(checkpoint).absolute())
+
     def _validate_adapter(self, name: str, ckpt_dir: Path) -> AdapterVersion:
         """Snapshot an adapter checkpoint, then check it against the weights served now."""
         assert self.adapters is not None and self._deployed is not None
