@@ -25,6 +25,7 @@ import httpx
 
 from dpserve.checkpoint import CheckpointMeta, base_fingerprint
 from dpserve.config import lora_name_problem
+from dpserve.httpclient import open_client
 from dpserve.rollout.adapter_rollout import (
     AdapterLoadFailed,
     converge,
@@ -99,7 +100,7 @@ class AdapterDeploys:
         replicas = list(self._pool)
         previous = self.adapters.current(version.name)
         progress.event(f"loading {version.engine_name} into {len(replicas)} replica(s)")
-        async with self._client_factory() as client:
+        async with await open_client(self._client_factory) as client:
             try:
                 await load_everywhere(self.adapters, version, replicas,
                                       lambda r: EngineAdmin(client, r.url))
@@ -123,7 +124,7 @@ class AdapterDeploys:
         return DeployState.SUCCEEDED
 
     async def _retire(self, version: AdapterVersion) -> None:
-        async with self._client_factory() as client:
+        async with await open_client(self._client_factory) as client:
             await retire(self.adapters, version, lambda: list(self._pool),
                          lambda r: EngineAdmin(client, r.url))
 
@@ -132,7 +133,7 @@ class AdapterDeploys:
         or was down at a deploy); why it cannot be admitted yet, or None."""
         if not self.adapters:
             return None
-        async with self._client_factory() as client:
+        async with await open_client(self._client_factory) as client:
             try:
                 await converge(self.adapters, replica, EngineAdmin(client, replica.url))
             except EngineAdminError as exc:

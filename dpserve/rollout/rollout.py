@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
+from dpserve.httpclient import open_client
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
@@ -300,7 +301,7 @@ class Rollout:
         progress.event(f"rolling out {target.version} (was {previous.version}) to "
                        f"{len(self._pool)} replica(s), {options.batch} at a time")
         try:
-            async with self._client_factory() as client:
+            async with await open_client(self._client_factory) as client:
                 convergence = Convergence(
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,

@@ -25,6 +25,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from dpserve.httpclient import open_client
 from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
@@ -159,8 +160,9 @@ def engine_metrics_endpoint(
 
     async def engine_metrics(request: Request) -> Response:
         # A client per scrape: scrapes come every few seconds, loopback connects are
-        # cheap, and nothing long-lived is left for the router to own.
-        async with httpx.AsyncClient() as client:
+        # cheap, and nothing long-lived is left for the router to own. Built off the
+        # event loop (dpserve.httpclient).
+        async with await open_client() as client:
             ok, failed = await fetch_engine_metrics(pool, client, timeout_s=timeout_s)
         for replica_id in failed:
             metrics.engine_scrape_errors.labels(replica_id).inc()
