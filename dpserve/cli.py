@@ -164,6 +164,9 @@ def _add_deploy(sub: Subparsers) -> None:
                            "(beside it, in merged/) and hot-load those")
     deploy.add_argument("--batch", type=int, help="replicas reloaded at once (default 1)")
     deploy.add_argument("--canary-prompt", help="prompt of each replica's canary request")
+    deploy.add_argument("--drop-adapters", action="store_true", default=None,
+                        help="full weights while LoRA adapters serve: stop serving them "
+                             "(they were trained on the weights replaced)")
     deploy.add_argument("--drain-wait-s", type=float,
                         help="let in-flight requests finish (up to S s) before pausing")
     deploy.add_argument("--interval-s", type=float, default=10.0,

@@ -117,11 +117,23 @@ class AdapterDeploys:
         progress.event(f"{version.name} now means {version.version}"
                        + (f" (was {previous.version}, retiring)" if previous else ""))
         if previous is not None:
-            task = asyncio.create_task(self._retire(previous),
-                                       name=f"dpserve-retire-{previous.engine_name}")
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._start_retiring(previous)
         return DeployState.SUCCEEDED
+
+    def withdraw_all(self) -> list[AdapterVersion]:
+        """Stop serving every adapter (new requests for them are 404s); each is unloaded
+        once its last request ends. What was withdrawn."""
+        withdrawn = [v for v in map(self.adapters.withdraw, sorted(self.adapters.names()))
+                     if v is not None]
+        for version in withdrawn:
+            self._start_retiring(version)
+        return withdrawn
+
+    def _start_retiring(self, version: AdapterVersion) -> None:
+        task = asyncio.create_task(self._retire(version),
+                                   name=f"dpserve-retire-{version.engine_name}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, version: AdapterVersion) -> None:
         async with await open_client(self._client_factory) as client:

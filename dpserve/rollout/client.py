@@ -241,7 +241,7 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             if ns.command == "status":
                 return await run_status(client, out)
             options = {name: getattr(ns, name) for name in
-                       ("batch", "canary_prompt", "drain_wait_s", "name")
+                       ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters")
                        if getattr(ns, name, None) is not None}
             if watched is not None:
                 return await run_watch(client, watched, options, out,

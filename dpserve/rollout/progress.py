@@ -28,7 +28,7 @@ MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
 DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
-                 "name")
+                 "name", "drop_adapters")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -43,6 +43,9 @@ class DeployOptions:
     pausing it (0: pause at once; frozen requests resume on the new weights)."""
     ready_timeout_s: float = 900.0
     """How long to wait for a replica that is not ready at its turn (router-only mode)."""
+    drop_adapters: bool = False
+    """A full checkpoint while LoRA adapters serve: stop serving them first (they were
+    trained on the weights being replaced). Without it such a deploy is refused."""
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> DeployOptions:
@@ -68,6 +71,11 @@ class DeployOptions:
                 raise Refused(400, "canary_prompt must be a non-empty string of at most "
                                    "4096 characters", param="canary_prompt")
             values["canary_prompt"] = prompt
+        drop = body.get("drop_adapters")
+        if drop is not None:
+            if not isinstance(drop, bool):
+                raise Refused(400, "drop_adapters must be true or false", param="drop_adapters")
+            values["drop_adapters"] = drop
         return cls(**values)
 
 

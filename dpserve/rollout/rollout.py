@@ -157,6 +157,13 @@ class Rollout:
             raise Refused(409, "this router does not know which model its replicas serve, "
                                "so it cannot check a checkpoint against it: start "
                                "`dpserve router` with --base-model DIR")
+        if name is None and self.adapters is not None and self.adapters.adapters.names() \
+                and not options.drop_adapters:
+            served = ", ".join(sorted(self.adapters.adapters.names()))
+            raise Refused(409, f"LoRA adapters serve on the current weights ({served}); they "
+                               "were trained on them, not on this checkpoint. Deploy with "
+                               "--drop-adapters (\"drop_adapters\": true) to stop serving "
+                               "them first", param="drop_adapters")
         n = len(self._pool)
         if n > 1 and options.batch >= n:
             raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
@@ -209,6 +216,10 @@ class Rollout:
             work = self._deploy_adapter(progress, target, renewing)
         else:
             progress.previous_version = self._deployed.current.version
+            if options.drop_adapters and self.adapters is not None:
+                for version in self.adapters.withdraw_all():
+                    progress.event(f"adapter {version.name} no longer served (was "
+                                   f"{version.version}); unloaded once its requests end")
             work = self._deploy(progress, target, options, renewing)
         self._task = asyncio.create_task(work, name=f"dpserve-deploy-{progress.id}")
         return progress

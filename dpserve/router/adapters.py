@@ -122,6 +122,14 @@ class Adapters:
             return previous
         return None
 
+    def withdraw(self, name: str) -> AdapterVersion | None:
+        """Stop serving `name`: new requests for it (pinned too) are 404s; its version,
+        now retiring, is returned for unloading once its requests end."""
+        version = self._current.pop(name, None)
+        if version is not None:
+            version.retiring = True
+        return version
+
     def remove(self, version: AdapterVersion) -> None:
         """Forget a version unloaded everywhere (or whose load was rolled back)."""
         self._versions.pop(version.engine_name, None)

@@ -14,8 +14,9 @@ order:
    unloaded from the engines once its last request ended, a pinned version works
    and a replaced one is a 404;
 4. a replica that cannot load a version: rolled back everywhere, the name unchanged;
-5. `dpserve deploy ADAPTER --merge`: the adapter folded into full weights and
-   hot-loaded; the base model then answers as the adapter did.
+5. `dpserve deploy ADAPTER --merge`: refused while adapters serve on the base it
+   replaces, then with `--drop-adapters` the adapter is folded into full weights and
+   hot-loaded, the adapters stop serving, and the base model answers as the adapter did.
 """
 
 from __future__ import annotations
@@ -256,8 +257,19 @@ def test_replicas_without_enable_lora_refuse_an_adapter_saying_how(deployment, f
 
 
 def test_merge_folds_the_adapter_into_full_weights_and_hot_loads_them(fleet: Fleet):
-    done = deploy(fleet, str(fleet.v1), "--merge")
+    # `support` serves on the base it was trained on: replacing that base is refused
+    # unless the deploy also stops serving the adapters.
+    refused = deploy(fleet, str(fleet.v1), "--merge")
+    assert refused.returncode == 1 and "--drop-adapters" in refused.stdout, refused.stdout
+    assert "support" in {m.id for m in client(fleet).models.list().data}
+    done = deploy(fleet, str(fleet.v1), "--merge", "--drop-adapters")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert [m.id for m in client(fleet).models.list().data] == [MODEL_NAME]
+    wait_for_sync(lambda: fleet.engine_models() == [{MODEL_NAME}] * 2,
+                  "the dropped adapter unloaded from the engines", within_s=60)
+    gone = httpx.post(fleet.d.base_url + "/v1/completions", timeout=30,
+                      json={"model": "support", "prompt": "x", "max_tokens": 2})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
     assert f"merged checkpoint {fleet.v1.parent / 'merged' / fleet.v1.name}" in done.stdout
     ids = prompt_ids(fleet, PROMPTS[0])
     answer = client(fleet).completions.create(

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from dpserve.rollout.deployed import weights_for
+from dpserve.router.adapters import AdapterVersion
 from dpserve.router.pool import ReplicaState
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_variant
@@ -259,3 +260,27 @@ async def test_unknown_deploys_and_a_router_without_a_model_answer_in_the_envelo
     assert none_yet.status_code == 404 and none_yet.json()["error"]["code"] == 404
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "deploy_id"
     assert blind.status_code == 409 and "--base-model" in blind.json()["error"]["message"]
+
+
+async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replicas, tiny_model,
+                                                                      checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, enable_lora=True) as f:
+        table = f.rollout.adapters.adapters
+        served = AdapterVersion(name="support", version="v1", path="/snap/v1", rank=8)
+        table.add(served)
+        table.switch(served)
+        before = f.deployed.current.version
+        status, refused = await deploy(f, checkpoints[0])
+        assert status == 409 and refused["error"]["param"] == "drop_adapters"
+        assert "support" in refused["error"]["message"]
+        assert f.deployed.current.version == before and table.current("support") is served
+        status, record = await deploy(f, checkpoints[0], drop_adapters=True)
+        assert status == 202 and record["state"] == "succeeded", record
+        assert table.names() == frozenset() and served.retiring
+        assert any("adapter support no longer served" in e
+                   for e in record["events"]), record["events"]
+        async with httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+            gone = await c.post("/v1/completions", json={"model": "support", "prompt": "x"})
+        assert gone.status_code == 404
+        bad, body = await deploy(f, checkpoints[1], drop_adapters="yes")
+        assert bad == 400 and body["error"]["param"] == "drop_adapters"
