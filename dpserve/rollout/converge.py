@@ -20,6 +20,7 @@ import httpx
 from dpserve.rollout.deployed import Weights
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase
+from dpserve.router.adapters import VERSION_SEP
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 if TYPE_CHECKING:
@@ -253,6 +254,10 @@ async def _timed(steps: dict[str, float], name: str, step: Awaitable[object]) ->
 
 
 def _model_name(replica: Replica) -> str:
+    """The base model's name for the canary: the engine also lists the LoRA adapter
+    versions it holds (`NAME@VERSION`), which are not the weights being checked (and
+    may be unloaded while the canary runs)."""
     if not replica.models:
         raise EngineAdminError("canary", "the replica has not reported a model name")
-    return sorted(replica.models)[0]
+    base = sorted(m for m in replica.models if VERSION_SEP not in m)
+    return (base or sorted(replica.models))[0]

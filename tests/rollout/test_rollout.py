@@ -266,21 +266,25 @@ async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replic
                                                                       checkpoints):
     async with fleet(fake_replicas, tiny_model, 2, enable_lora=True) as f:
         table = f.rollout.adapters.adapters
-        served = AdapterVersion(name="support", version="v1", path="/snap/v1", rank=8)
+        served = AdapterVersion(name="assistant", version="v1", path="/snap/v1", rank=8)
         table.add(served)
         table.switch(served)
+        for replica in f.router.pool:  # the engines list the adapters they hold
+            replica.models = replica.models | {"assistant@v1"}
         before = f.deployed.current.version
         status, refused = await deploy(f, checkpoints[0])
         assert status == 409 and refused["error"]["param"] == "drop_adapters"
-        assert "support" in refused["error"]["message"]
-        assert f.deployed.current.version == before and table.current("support") is served
+        assert "assistant" in refused["error"]["message"]
+        assert f.deployed.current.version == before and table.current("assistant") is served
         status, record = await deploy(f, checkpoints[0], drop_adapters=True)
         assert status == 202 and record["state"] == "succeeded", record
         assert table.names() == frozenset() and served.retiring
-        assert any("adapter support no longer served" in e
+        canaries = [r for fake in f.fakes for r in fake.requests if r.get("logprobs")]
+        assert canaries and {r["model"] for r in canaries} == {MODEL}  # the base, not the adapter sorted first
+        assert any("adapter assistant no longer served" in e
                    for e in record["events"]), record["events"]
         async with httpx.AsyncClient(base_url=f.base, timeout=30) as c:
-            gone = await c.post("/v1/completions", json={"model": "support", "prompt": "x"})
+            gone = await c.post("/v1/completions", json={"model": "assistant", "prompt": "x"})
         assert gone.status_code == 404
         bad, body = await deploy(f, checkpoints[1], drop_adapters="yes")
         assert bad == 400 and body["error"]["param"] == "drop_adapters"
