@@ -27,30 +27,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
-import uvicorn
+from _fleet import fleet, wait_until
 
-from dpserve.config import RouterConfig, ServeConfig
-from dpserve.demo import TINY_VLLM_ARGS
-from dpserve.replicas.launcher import free_port, plan_replicas, usable_cores
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import DeployOptions, Rollout
-from dpserve.router.app import build_app
+from dpserve.rollout.progress import DeployOptions
+from dpserve.rollout.rollout import Rollout
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import bind_socket, compose
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
-
-POLL_S = 0.05
 
 
 @dataclass
@@ -135,14 +129,6 @@ def make_checkpoints(model: Path, out: Path) -> list[Path]:
     return made
 
 
-async def wait_until(cond, within_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + within_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {within_s:g} s")
-        await asyncio.sleep(POLL_S)
-
-
 async def hot_load(rollout: Rollout, checkpoint: Path, steps: dict[str, float]) -> list[float]:
     progress = await rollout.start(str(checkpoint), DeployOptions())
     await rollout.wait()
@@ -159,13 +145,18 @@ async def restart_each(pool: ReplicaPool, supervisor: Supervisor, deployed: Depl
     deployed.current = weights_for(str(checkpoint))  # what restarted replicas load
     took = []
     for replica in pool:
+        def drained(r: Replica = replica) -> bool:
+            return r.in_flight == 0
+
+        def back(r: Replica = replica) -> bool:
+            return (r.state is ReplicaState.READY
+                    and r.weight_version == deployed.current.version)
+
         t0 = time.monotonic()
         pool.set_state(replica, ReplicaState.DRAINING, "rolling restart")
-        await wait_until(lambda r=replica: r.in_flight == 0, 600, "drained replica")
+        await wait_until(drained, 600, "drained replica")
         await supervisor.restart(replica.id, "rolling restart onto the new checkpoint")
-        await wait_until(lambda r=replica: r.state is ReplicaState.READY
-                         and r.weight_version == deployed.current.version, startup_s,
-                         "restarted replica")
+        await wait_until(back, startup_s, "restarted replica")
         took.append(time.monotonic() - t0)
     return took
 
@@ -187,53 +178,29 @@ async def run(args: argparse.Namespace) -> list[Result]:
     model = build_tiny_model(Path(args.model))
     work = Path(tempfile.mkdtemp(prefix="dpserve-rollout-bench-"))
     checkpoints = make_checkpoints(model, work / "out")
-    router_cfg = RouterConfig(port=free_port(), log_level="warning", checkpoint_root=str(work),
-                              snapshot_dir=str(work / "snapshots"))
-    cfg = ServeConfig(model=str(model), served_model_name=TINY_MODEL_NAME,
-                      replicas=args.replicas, vllm_args=list(TINY_VLLM_ARGS),
-                      run_dir=str(work / "runs"), router=router_cfg)
-    specs = plan_replicas(cfg, gpus=[], cores=usable_cores(), port=lambda _: free_port(),
-                          run_dir=work / "runs")
-    deployed = Deployed(weights_for(cfg.model))
-    pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
-                                weight_version=deployed.current.version) for s in specs])
-    supervisor = Supervisor(specs, pool, cfg, deployed=deployed)
-    router, rollout = compose(pool, deployed, router_cfg, restarter=supervisor)
-    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
-                                           lifespan="on", http="httptools"))
-    serving = asyncio.create_task(server.serve(sockets=[bind_socket("127.0.0.1",
-                                                                     router_cfg.port)]))
-    load = Load(f"http://127.0.0.1:{router_cfg.port}", args.clients, args.max_tokens)
-    loading: asyncio.Task[None] | None = None
-    try:
-        print(f"starting {args.replicas} replicas of {model} (logs in {work}/runs)", flush=True)
-        await supervisor.start()
-        await wait_until(lambda: len(pool.ready()) == len(pool), 120, "ready fleet")
+    async with fleet(model, work, args.replicas) as f:
+        load = Load(f.url, args.clients, args.max_tokens)
         loading = asyncio.create_task(load.run())
-        await asyncio.sleep(args.steady_s)  # warm-up, not measured
-        results = []
-        print("rolling by hot-load (twice)...", flush=True)
-        # The first deploy after the engines start pays their one-time set-up of the
-        # logprobs path (the canary's) in its pre-check; later ones do not.
-        for name, ckpt_dir in (("hot-load", checkpoints[0]), ("hot-load again", checkpoints[1])):
-            steps: dict[str, float] = {}
-            results.append(await measure(name, load, lambda c=ckpt_dir, st=steps: hot_load(
-                rollout, c, st), args.steady_s))
-            results[-1].steps = steps
-        print("rolling by restart...", flush=True)
-        results.append(await measure("restart", load, lambda: restart_each(
-            pool, supervisor, deployed, checkpoints[0], cfg.startup_timeout_s),
-            args.steady_s))
-        return results
-    finally:
-        load.stop.set()
-        if loading is not None:
+        try:
+            await asyncio.sleep(args.steady_s)  # warm-up, not measured
+            results = []
+            print("rolling by hot-load (twice)...", flush=True)
+            # The first deploy after the engines start pays their one-time set-up of the
+            # logprobs path (the canary's) in its pre-check; later ones do not.
+            for name, ckpt_dir in (("hot-load", checkpoints[0]),
+                                   ("hot-load again", checkpoints[1])):
+                steps: dict[str, float] = {}
+                results.append(await measure(name, load, partial(
+                    hot_load, f.rollout, ckpt_dir, steps), args.steady_s))
+                results[-1].steps = steps
+            print("rolling by restart...", flush=True)
+            results.append(await measure("restart", load, partial(
+                restart_each, f.pool, f.supervisor, f.deployed, checkpoints[0],
+                f.cfg.startup_timeout_s), args.steady_s))
+            return results
+        finally:
+            load.stop.set()
             await loading
-        await rollout.aclose()
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await serving
-        await supervisor.stop()
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:

@@ -85,6 +85,9 @@ class RequestRecord:
     usage_reported: bool = False
     text: str | None = None
     """The generated text, kept only when the server reported no usage (to count it)."""
+    finish_reason: str | None = None
+    """The last ``finish_reason`` the server gave: ``length``, ``stop``, or ``abort`` when
+    the engine dropped the request (a stream that still ends with ``[DONE]``)."""
 
 
 def build_body(
@@ -182,6 +185,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, st: 
                     record.itl_s.append(now - last)
                 last = now
                 choice = choices[0]
+                record.finish_reason = choice.get("finish_reason") or record.finish_reason
                 delta = choice.get("delta")
                 pieces.append((delta.get("content") if delta else choice.get("text")) or "")
             elif usage := event.get("usage"):
@@ -211,6 +215,7 @@ async def _read_whole(resp: aiohttp.ClientResponse, record: RequestRecord, st: f
         _fail(record, "bad_response", _error_message(raw))
         return
     record.ok = True
+    record.finish_reason = body["choices"][0].get("finish_reason")
     if usage := body.get("usage"):
         _take_usage(record, usage)
     else:

@@ -5,7 +5,7 @@ many connections as the concurrency cap (unlimited without one), so a request
 never waits for a pooled connection behind the cap's back. The loop is bounded
 in count (one request per scheduled offset), in time (no request is sent after
 ``duration_s``; one due exactly then still is) and per request
-(``request_timeout_s``), so it always ends.
+(``request_timeout_s``), so it always ends; a caller may end it sooner (``stop``).
 
 With a concurrency cap, a request whose time has come waits for a free slot;
 its TTFT and latency are timed from when it is actually sent, and the wait is
@@ -46,6 +46,9 @@ class LoadPlan:
     request_id_prefix: str = "loadtest-"
     progress: bool = False
     label: str = ""
+    stop: asyncio.Event | None = None
+    """Once set, no further request is sent (those in flight finish): a load that runs
+    until its caller is done with it rather than for a set time or count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,10 @@ async def _dispatch(session: aiohttp.ClientSession, plan: LoadPlan) -> RunOutcom
     records: list[RequestRecord] = []
     total = None if plan.duration_s else len(plan.offsets)
     headers = dict(plan.headers)
+
+    def stopped() -> bool:
+        return plan.stop is not None and plan.stop.is_set()
+
     with _progress(plan, total) as bar:
         t0 = time.perf_counter()
         deadline = t0 + (plan.duration_s or math.inf)
@@ -102,9 +109,11 @@ async def _dispatch(session: aiohttp.ClientSession, plan: LoadPlan) -> RunOutcom
                 wait = t0 + due - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                if stopped():
+                    break
                 if slots is not None:
                     await slots.acquire()
-                    if time.perf_counter() > deadline:
+                    if time.perf_counter() > deadline or stopped():
                         slots.release()
                         break
                 record = RequestRecord(index=i, request_id=f"{plan.request_id_prefix}{i}",

@@ -1,5 +1,6 @@
 """The load loop against the scripted fake server: schedule, cap, bounds, warm-up."""
 
+import asyncio
 import time
 
 from loadtest.client import Payload, build_body
@@ -73,3 +74,15 @@ async def test_request_ids_number_the_requests(fake_server):
     server = await fake_server()
     outcome = await run_load(plan(server, [0.0, 0.0], request_id_prefix="run7-"))
     assert [r.request_id for r in outcome.records] == ["run7-0", "run7-1"]
+
+
+async def test_a_stop_event_ends_the_run_and_lets_requests_in_flight_finish(fake_server):
+    server = await fake_server(Script(ttft_s=0.01, itl_s=0.01))
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_load(plan(server, [i * 0.02 for i in range(10_000)],
+                                                stop=stop)))
+    await asyncio.sleep(0.3)
+    stop.set()
+    outcome = await asyncio.wait_for(running, timeout=10)
+    assert 3 < len(outcome.records) < 100  # the schedule would send 10,000 over 200 s
+    assert all(r.ok and r.finish_reason == "length" for r in outcome.records)
