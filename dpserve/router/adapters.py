@@ -20,6 +20,7 @@ asked for (`rename_model`). Pure state and byte functions, no I/O.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -186,11 +187,17 @@ def rewrite_model(body: bytes, engine_name: str) -> bytes:
         raise RouterError(400, "request body is nested too deeply") from None
 
 
-def rename_model(data: bytes, engine_name: str, client_name: str) -> bytes:
-    """Rename `"model":"ENGINE_NAME"` to the client's name in a response or SSE chunk.
+def rename_model(data: bytes, version: AdapterVersion, client_name: str) -> bytes:
+    """Rename `"model":"ENGINE_NAME"` to the client's name in a response or SSE chunk,
+    and give its `system_fingerprint` (where it has one) the adapter's version.
 
     vLLM writes compact JSON, and an adapter name is plain (letters, digits, `._-@`),
     so the field is exactly these bytes; the same bytes inside generated text would be
-    escaped (`\\"model\\"`), so nothing else matches."""
-    return data.replace(b'"model":"%s"' % engine_name.encode(),
-                        b'"model":"%s"' % client_name.encode())
+    escaped (`\\"model\\"`), so nothing else matches. Likewise for the fingerprint, a
+    string without quotes or backslashes, or null."""
+    renamed = data.replace(b'"model":"%s"' % version.engine_name.encode(),
+                           b'"model":"%s"' % client_name.encode())
+    return _FINGERPRINT.sub(b'"system_fingerprint":"%s"' % version.version.encode(), renamed)
+
+
+_FINGERPRINT = re.compile(rb'"system_fingerprint":(?:"[^"\\]*"|null)')

@@ -316,7 +316,7 @@ class ProxyEndpoint:
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
             if ex.adapter is not None:
-                payload = rename_model(payload, ex.adapter.engine_name, ex.client_model)
+                payload = rename_model(payload, ex.adapter, ex.client_model)
             elif self._lists_models and self._adapters and resp.status == 200:
                 payload = list_models(payload, self._adapters)
             out_headers.append((b"content-length", str(len(payload)).encode()))
@@ -354,7 +354,7 @@ class ProxyEndpoint:
             while chunk:
                 if whole := events.feed(chunk):
                     if ex.adapter is not None:
-                        whole = rename_model(whole, ex.adapter.engine_name, ex.client_model)
+                        whole = rename_model(whole, ex.adapter, ex.client_model)
                     await replied.body(whole, more=True)
                 events.check()
                 async with asyncio.timeout(idle):
@@ -372,6 +372,6 @@ class ProxyEndpoint:
             return resp.status
         rest = events.rest()
         if ex.adapter is not None:
-            rest = rename_model(rest, ex.adapter.engine_name, ex.client_model)
+            rest = rename_model(rest, ex.adapter, ex.client_model)
         await replied.body(rest, more=False)
         return resp.status

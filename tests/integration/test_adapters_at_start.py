@@ -80,6 +80,7 @@ def test_a_start_adapter_serves_as_peft_runs_it_and_the_engine_reports_it(starte
     assert raw.headers["x-dpserve-weight-version"] == version
     answer = raw.parse()
     assert answer.model == "boot" and answer.choices[0].token_ids == expected
+    assert answer.system_fingerprint == version
     [(_, port)] = d.replicas().values()
     engine = parse_engine_metrics(scrape_while_streaming(d, port, "boot"))
     assert engine.max_loras == 1

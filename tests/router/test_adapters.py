@@ -99,20 +99,36 @@ def test_any_json_string_survives_the_rewrite_as_the_client_sent_it(prompt):
     assert json.loads(rewritten) == {"model": "support@v2", "prompt": prompt, "n": 1}
 
 
-def test_the_answer_names_the_model_the_client_asked_for():
+V2 = AdapterVersion(name="support", version="v2", path="/snap/v2", rank=8)
+
+
+def test_the_answer_names_the_model_the_client_asked_for_and_the_version_it_ran_on():
     chunk = (b'data: {"id":"cmpl-1","object":"text_completion","model":"support@v2",'
-             b'"choices":[{"index":0,"text":"hi"}]}\n\n')
-    assert rename_model(chunk, "support@v2", "support") == chunk.replace(
-        b'"model":"support@v2"', b'"model":"support"')
+             b'"choices":[{"index":0,"text":"hi"}],"system_fingerprint":"vllm-0.32.0-ab"}\n\n')
+    assert rename_model(chunk, V2, "support") == chunk.replace(
+        b'"model":"support@v2"', b'"model":"support"').replace(
+        b'"system_fingerprint":"vllm-0.32.0-ab"', b'"system_fingerprint":"v2"')
+    chat = b'{"model":"support@v2","choices":[],"system_fingerprint":null}'
+    assert json.loads(rename_model(chat, V2, "support"))["system_fingerprint"] == "v2"
 
 
 @given(text=st.text(max_size=200))
 def test_generated_text_is_never_renamed(text):
-    """Whatever the model generates (even the field itself) is JSON-escaped text."""
-    body = json.dumps({"model": "support@v2", "choices": [{"text": text}]},
+    """Whatever the model generates (even the fields themselves) is JSON-escaped text."""
+    body = json.dumps({"model": "support@v2", "choices": [{"text": text}],
+                       "system_fingerprint": "vllm"},
                       ensure_ascii=False, separators=(",", ":")).encode()
-    renamed = json.loads(rename_model(body, "support@v2", "support"))
-    assert renamed == {"model": "support", "choices": [{"text": text}]}
+    renamed = json.loads(rename_model(body, V2, "support"))
+    assert renamed == {"model": "support", "choices": [{"text": text}],
+                       "system_fingerprint": "v2"}
+
+
+@given(text=st.text(max_size=60))
+def test_text_that_spells_the_fingerprint_field_is_left_alone(text):
+    spelled = f'"system_fingerprint":"{text}"'
+    body = json.dumps({"model": "support@v2", "choices": [{"text": spelled}]},
+                      ensure_ascii=False, separators=(",", ":")).encode()
+    assert json.loads(rename_model(body, V2, "support"))["choices"][0]["text"] == spelled
 
 
 def test_the_model_list_is_the_routers_whichever_replica_answered():
