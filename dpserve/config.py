@@ -83,7 +83,8 @@ class RouterConfig:
     `prefix-affinity` (a prefix's cache is worth some queueing), 2 for `session-affinity`,
     1.5 for the adapter preference of `lora_affinity`."""
     engine_scrape_interval_s: float = 1.0
-    """`engine-load`: period of reading every replica's /metrics (queue, KV cache)."""
+    """`engine-load` and `lora_affinity`: period of reading every replica's /metrics
+    (queue, KV cache, the adapters it runs)."""
     max_in_flight_per_replica: int = 0
     """Requests in flight per replica before new ones wait in the router's queue
     (0: no cap; vLLM's own scheduler queues them)."""
