@@ -141,8 +141,9 @@ class Adapters:
 def list_models(payload: bytes, adapters: Adapters) -> bytes:
     """A replica's `/v1/models` answer with its adapter entries replaced by the router's:
     every adapter name (meaning its current version) and every version by its pinned
-    name, each with its version and parent; retiring and loading versions left out. The
-    list is then the same whichever replica answered. An answer that is not the
+    name, each with its version and parent; retiring and loading versions left out, and
+    adapters the router did not deploy (loaded by hand) too. The list is then the same
+    whichever replica answered. An answer that is not the
     expected JSON is returned as it is."""
     try:
         body = json.loads(payload)
@@ -151,6 +152,8 @@ def list_models(payload: bytes, adapters: Adapters) -> bytes:
         base = [m for m in data if m.get("parent") is None]
     except (ValueError, KeyError, TypeError, AttributeError):
         return payload
+    if not adapters and len(base) == len(data):
+        return payload  # no adapter anywhere: the replica's answer as it is
     parent = base[0].get("id") if base else None
     created = base[0].get("created") if base else None
     entries = []

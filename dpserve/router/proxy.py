@@ -317,7 +317,7 @@ class ProxyEndpoint:
                                   f"replica {replica.id} failed mid-response") from None
             if ex.adapter is not None:
                 payload = rename_model(payload, ex.adapter, ex.client_model)
-            elif self._lists_models and self._adapters and resp.status == 200:
+            elif self._lists_models and resp.status == 200:
                 payload = list_models(payload, self._adapters)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             self._first_byte.observe(time.perf_counter() - ex.start)

@@ -61,11 +61,12 @@ class Deployment:
 
 def spawn_deployment(model: Path, workdir: Path, *, replicas: int,
                      checkpoint_root: Path | None = None, serve_args: tuple[str, ...] = (),
-                     vllm_args: tuple[str, ...] = ()) -> Deployment:
+                     vllm_args: tuple[str, ...] = (),
+                     env: dict[str, str] | None = None) -> Deployment:
     """Start `dpserve serve` of `model` in its own process group, logging to
     `workdir/serve.log`, without waiting for it (tests prepare checkpoints meanwhile).
     `serve_args` go to dpserve, `vllm_args` to every engine (the last of a repeated
-    vLLM option wins)."""
+    vLLM option wins); `env` adds settings (`DPSERVE_*`)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "serve.log"
@@ -74,8 +75,8 @@ def spawn_deployment(model: Path, workdir: Path, *, replicas: int,
     cut = cmd.index("--")
     cmd = [*cmd[:cut], *serve_args, *cmd[cut:], *vllm_args]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=offline_env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**offline_env(), **(env or {})}, start_new_session=True)
     return Deployment(f"http://127.0.0.1:{port}", proc, log_path)
 
 

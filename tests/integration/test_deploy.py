@@ -84,8 +84,13 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("deploy")
     # The model's full context (vLLM takes the last --max-model-len): room for a generation
     # long enough to hold a replica in `draining` through a rollout's first steps.
+    # The held stream of the engine-killed test (24 long sequences, 20 logprobs each)
+    # keeps a CPU engine's server too busy to answer /health within the default 2 s, or
+    # a new request's first token within the 20 s the other integration tests allow.
     d = spawn_deployment(tiny_model, work, replicas=2, checkpoint_root=work,
-                         vllm_args=("--max-model-len", str(LONG_CONTEXT)))
+                         vllm_args=("--max-model-len", str(LONG_CONTEXT)),
+                         env={"DPSERVE_HEALTH_TIMEOUT_S": "15",
+                              "DPSERVE_FIRST_BYTE_TIMEOUT_S": "120"})
     proc = d.proc
     try:
         data = write_train_data(work / "train.jsonl")

@@ -155,3 +155,13 @@ def test_a_model_list_that_is_not_vllms_passes_unchanged():
     adapters.switch(v)
     for odd in (b"not json", b'{"data": 3}', b'{"data": [1]}', b"[]"):
         assert list_models(odd, adapters) == odd
+
+
+def test_an_adapter_the_router_did_not_deploy_is_not_listed_even_with_none_deployed():
+    base = {"id": "tiny", "object": "model", "parent": None}
+    stray = {"id": "support@by-hand", "object": "model", "parent": "tiny"}
+    listed = json.loads(list_models(json.dumps({"object": "list", "data": [base, stray]})
+                                    .encode(), Adapters()))
+    assert listed["data"] == [base]
+    plain = json.dumps({"object": "list", "data": [base]}, indent=1).encode()
+    assert list_models(plain, Adapters()) == plain  # nothing to change: bytes as they came
