@@ -414,7 +414,10 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     (runs_log,) = [d / "replica-r1.log" for d in (f.work / "runs").iterdir()
                    if (d / "replica-r1.log").exists()]  # beside it: the snapshot store
     starts = [ln for ln in runs_log.read_text().splitlines() if "dpserve: starting r1" in ln]
-    assert len(starts) == 2
+    # The first start, then the restart. When the supervisor restarts the dead engine
+    # before the rollback begins, that start is on the deploy's target (what replicas
+    # load during a deploy) and the rollback replaces it: one more.
+    assert len(starts) in (2, 3), starts
     model = starts[-1].split("--model ", 1)[1].split()[0]  # the router's snapshot of it
     assert Path(model).parent == (f.work / "runs" / "snapshots").resolve()
     assert weights_for(model).version == deployed
