@@ -103,18 +103,21 @@ async def wait_until(cond: Callable[[], bool], within_s: float, what: str) -> No
         await asyncio.sleep(POLL_S)
 
 
-def train_adapters(model: Path, work: Path, *, versions: int, rank: int) -> list[Path]:
+def train_adapters(model: Path, work: Path, *, versions: int, rank: int,
+                   steps_per_version: int = STEPS_PER_ADAPTER,
+                   micro_batch_size: int = 16) -> list[Path]:
     """`versions` LoRA adapter checkpoints of `model`, oldest first, as `dpserve finetune
     --lora-rank RANK` writes them: one short run on the demo's data (one process, ~20 s
-    here) saving every STEPS_PER_ADAPTER steps into `work/lora`; its log is
-    `work/finetune.log`. Each is a distinct version (another step, other weights)."""
+    here for the tiny model) saving every `steps_per_version` steps into `work/lora`; its
+    log is `work/finetune.log`. Each is a distinct version (another step, other weights)."""
     log_path = work / "finetune.log"
     cmd = [sys.executable, "-m", "dpserve", "finetune", "--model", str(model),
            "--data", str(demo_data.path(demo_data.TRAIN_FILE)), "--output", str(work / "lora"),
-           "--nproc-per-node", "1", "--max-steps", str(versions * STEPS_PER_ADAPTER),
-           "--save-every", str(STEPS_PER_ADAPTER), "--keep-last", str(versions),
-           "--lora-rank", str(rank), "--micro-batch-size", "16", "--lr", "3e-3",
-           "--warmup-steps", "5", "--log-every", str(STEPS_PER_ADAPTER), "--seed", "0"]
+           "--nproc-per-node", "1", "--max-steps", str(versions * steps_per_version),
+           "--save-every", str(steps_per_version), "--keep-last", str(versions),
+           "--lora-rank", str(rank), "--micro-batch-size", str(micro_batch_size),
+           "--lr", "3e-3", "--warmup-steps", str(min(5, versions * steps_per_version - 1)),
+           "--log-every", str(steps_per_version), "--seed", "0"]
     print(f"fine-tuning {versions} adapter versions (log: {log_path})", flush=True)
     with log_path.open("wb") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=600,

@@ -39,6 +39,7 @@ median full time / median adapter time (target >= 10x) and the p99 TTFT each kin
 deploy added (target: none for the adapter).
 
     python benchmarks/adapter_deploy.py [--replicas 2] [--rounds 5] [--rate 8] [--steady-s 10]
+                                        [--size 150m]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from _fleet import Fleet, fleet, train_adapters, wait_until
 from dpserve import checkpoint as ckpt
 from dpserve.rollout.progress import DeployOptions, DeployState
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from dpserve.tinymodel.build import SIZES
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS
 from loadtest.config import RunConfig
@@ -84,7 +86,7 @@ class Checkpoints:
     """Seconds each `export_merged` took."""
 
 
-def prepare(model: Path, work: Path, rounds: int) -> Checkpoints:
+def prepare(model: Path, work: Path, rounds: int, size: str) -> Checkpoints:
     """Fine-tune the adapters, merge each round's, write the base checkpoint."""
     from transformers.utils import logging as hf_logging
 
@@ -92,7 +94,10 @@ def prepare(model: Path, work: Path, rounds: int) -> Checkpoints:
 
     hf_logging.disable_progress_bar()  # a bar per export, on loading 21 tensors
 
-    adapters = train_adapters(model, work, versions=rounds + 1, rank=LORA_RANK)
+    # A 150m step takes seconds on 2 cores: one small step per version is enough (each
+    # version only has to differ from the last).
+    small = {} if size == "tiny" else {"steps_per_version": 1, "micro_batch_size": 2}
+    adapters = train_adapters(model, work, versions=rounds + 1, rank=LORA_RANK, **small)
     merged, export_s = [], []
     for adapter in adapters[1:]:
         t0 = time.perf_counter()
@@ -185,7 +190,11 @@ async def run(args: argparse.Namespace, model: Path, work: Path,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="build/tiny-llama", help="tiny model dir (built if missing)")
+    p.add_argument("--model", default=None,
+                   help="model dir, built if missing (default build/tiny-llama, or "
+                        "build/llama-150m with --size 150m)")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                   help="the tiny-model recipe's shape: tiny (2.4 MB) or 150m (625 MB)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5, help="measured deploys of each kind")
     p.add_argument("--name", default="bench-adapter", help="the adapter's model name")
@@ -200,10 +209,11 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import uvloop
 
-    model = build_tiny_model(Path(args.model))
+    default = "build/tiny-llama" if args.size == "tiny" else f"build/llama-{args.size}"
+    model = build_tiny_model(Path(args.model or default), size=args.size)
     work = Path(tempfile.mkdtemp(prefix="dpserve-adapter-bench-"))
     try:
-        ckpts = prepare(model, work, args.rounds)
+        ckpts = prepare(model, work, args.rounds, args.size)
         deploys, outcome = uvloop.run(run(args, model, work, ckpts))
     except KeyboardInterrupt:
         return 130

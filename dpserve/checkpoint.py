@@ -182,13 +182,20 @@ def base_fingerprint(model_dir: str | Path) -> str:
     chunks (memory stays flat); the cost is one read of the weights, ~1 s per GB.
     A hub id (no local directory) is fingerprinted by its name."""
     base = Path(model_dir)
-    digest = hashlib.sha256()
     if not base.is_dir():
-        digest.update(f"hub:{model_dir}".encode())
-        return digest.hexdigest()
-    for path in [base / "config.json", *sorted(base.glob("*.safetensors"))]:
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + sha256_file(path).encode())
+        return hashlib.sha256(f"hub:{model_dir}".encode()).hexdigest()
+    paths = [base / "config.json", *base.glob("*.safetensors")]
+    return fingerprint_of({p.name: sha256_file(p) for p in paths if p.is_file()})
+
+
+def fingerprint_of(files: dict[str, str]) -> str:
+    """`base_fingerprint` from known hashes (relative path -> sha256 hex, as a manifest's
+    `files`), without reading a byte: what it would be for a directory holding exactly
+    those files, already checked against them (a deploy's snapshot)."""
+    digest = hashlib.sha256()
+    weights = sorted(n for n in files if "/" not in n and n.endswith(".safetensors"))
+    for name in ["config.json", *weights] if "config.json" in files else weights:
+        digest.update(name.encode() + b"\0" + files[name].encode())
     return digest.hexdigest()
 
 

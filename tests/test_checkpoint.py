@@ -446,3 +446,23 @@ def test_the_base_fingerprint_follows_the_bytes_not_the_path(tiny_model, tmp_pat
     weights_file.write_bytes(bytes(data))
     assert ckpt.base_fingerprint(copy) != ckpt.base_fingerprint(tiny_model)
     assert ckpt.base_fingerprint("org/model") != ckpt.base_fingerprint("org/other")
+
+
+def test_a_checkpoints_manifest_gives_its_fingerprint_without_reading_the_weights(
+        tiny_model, tmp_path, monkeypatch):
+    def copy_model(tmp: Path) -> None:
+        shutil.copytree(tiny_model, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".*"))
+        (tmp / "shards").mkdir()  # not directly in the directory: not part of it
+        (tmp / "shards" / "extra.safetensors").write_bytes(b"x")
+        (tmp / "b-second.safetensors").write_bytes(b"second shard")
+
+    out = ckpt.write_checkpoint(tmp_path, 3, copy_model, base_model=str(tiny_model),
+                                loss=None, world_size=1)
+    meta = ckpt.read_meta(out)
+    read = ckpt.base_fingerprint(out)
+    assert read != ckpt.base_fingerprint(tiny_model)  # the second shard counts
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: pytest.fail(f"read {path}"))
+    assert ckpt.fingerprint_of(meta.files) == read
+    without_config = {k: v for k, v in meta.files.items() if k != "config.json"}
+    assert ckpt.fingerprint_of(without_config) != read

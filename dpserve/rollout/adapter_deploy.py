@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from dpserve.checkpoint import CheckpointMeta, base_fingerprint
+from dpserve.checkpoint import CheckpointMeta, base_fingerprint, fingerprint_of
 from dpserve.config import lora_name_problem
 from dpserve.httpclient import open_client
 from dpserve.rollout.adapter_rollout import (
@@ -70,6 +70,12 @@ class AdapterDeploys:
         if name in served_names:
             raise Refused(409, f"{name!r} is the served base model's name; give the adapter "
                                "another", param="name")
+
+    def know_weights(self, weights_dir: str, meta: CheckpointMeta) -> None:
+        """A full checkpoint's snapshot, its files checked against `meta` on the copy:
+        its base fingerprint, from those hashes, so that an adapter deployed once it
+        serves is not held up (nor the engines slowed) by hashing it again."""
+        self._fingerprints[weights_dir] = fingerprint_of(meta.files)
 
     def validate(self, name: str, snapshot: Path, meta: CheckpointMeta, *,
                  served_weights: Path) -> AdapterVersion:

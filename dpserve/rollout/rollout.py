@@ -251,7 +251,10 @@ class Rollout:
             self._served = fingerprint(base)
         snapshot, meta = self._take_snapshot(ckpt_dir)
         meta = validate_checkpoint(snapshot, self._served, meta)
-        return checkpoint_weights(snapshot, meta)
+        weights = checkpoint_weights(snapshot, meta)
+        if self.adapters is not None:
+            self.adapters.know_weights(weights.path, meta)
+        return weights
 
     def _take_snapshot(self, ckpt_dir: Path) -> tuple[Path, CheckpointMeta]:
         """Copy `ckpt_dir` (inside the checkpoint root) into the store, checking its

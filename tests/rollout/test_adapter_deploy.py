@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from dpserve import checkpoint as ckpt
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.validate import Refused
 from dpserve.router.adapters import Adapters, AdapterVersion
 from dpserve.router.pool import ReplicaPool
-from tests.rollout.checkpoints import write_adapter
+from tests.rollout.checkpoints import perturbed, write_adapter, write_variant
 
 
 def deploys() -> AdapterDeploys:
@@ -22,6 +23,20 @@ def test_an_adapter_checked_against_the_served_weights_becomes_a_version(tiny_mo
     version = deploys().validate("support", path, meta, served_weights=tiny_model)
     assert version.name == "support" and version.rank == 4 and not version.serving
     assert version.version.startswith("step-000007@") and version.path == str(path)
+
+
+def test_weights_a_full_deploy_checked_are_not_read_again_for_an_adapter(tiny_model, tmp_path,
+                                                                        monkeypatch):
+    served = write_variant(tiny_model, tmp_path / "full", 1, tensors=perturbed(0.01, seed=1))
+    fits, fits_meta = write_adapter(served, tmp_path / "fits")
+    other, other_meta = write_adapter(tiny_model, tmp_path / "other")
+    d = deploys()
+    d.know_weights(str(served), ckpt.read_meta(served))
+    monkeypatch.setattr(ckpt, "sha256_file", lambda path: pytest.fail(f"read {path}"))
+    assert d.validate("support", fits, fits_meta, served_weights=served).rank == 4
+    with pytest.raises(Refused) as exc:
+        d.validate("support", other, other_meta, served_weights=served)
+    assert exc.value.status == 409 and "other" in exc.value.message
 
 
 @pytest.mark.parametrize(("retiring", "message"), [

@@ -10,11 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dpserve import checkpoint as ckpt
 from dpserve.rollout.deployed import weights_for
 from dpserve.router.adapters import AdapterVersion
 from dpserve.router.pool import ReplicaState
 from tests.fakes import MODEL
-from tests.rollout.checkpoints import perturbed, write_variant
+from tests.rollout.checkpoints import perturbed, write_adapter, write_variant
 from tests.rollout.fleet import HOT_LOAD, deploy, fleet, take_down
 
 
@@ -263,7 +264,8 @@ async def test_unknown_deploys_and_a_router_without_a_model_answer_in_the_envelo
 
 
 async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replicas, tiny_model,
-                                                                      checkpoints):
+                                                                      checkpoints, tmp_path,
+                                                                      monkeypatch):
     async with fleet(fake_replicas, tiny_model, 2, enable_lora=True) as f:
         table = f.rollout.adapters.adapters
         served = AdapterVersion(name="assistant", version="v1", path="/snap/v1", rank=8)
@@ -288,3 +290,8 @@ async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replic
         assert gone.status_code == 404
         bad, body = await deploy(f, checkpoints[1], drop_adapters="yes")
         assert bad == 400 and body["error"]["param"] == "drop_adapters"
+        # An adapter of the new weights is checked against the hashes the deploy already
+        # verified: deploying it does not read the weights again.
+        fits, _ = write_adapter(Path(f.deployed.current.path), tmp_path)
+        monkeypatch.setattr(ckpt, "sha256_file", lambda path: pytest.fail(f"read {path}"))
+        f.rollout.check_adapter(str(fits), "assistant", frozenset({MODEL}))
