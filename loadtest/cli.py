@@ -3,7 +3,8 @@
 Flag names follow ``vllm bench serve`` where it has one. Exit status: 0 when
 every request succeeded, 1 when some failed (the results are still written),
 2 when the test could not run (bad flag, unreachable server, unusable
-dataset: one line on stderr), 130 on Ctrl-C.
+dataset: one line on stderr), 130 on a second Ctrl-C. The first Ctrl-C (or SIGTERM)
+stops sending: the requests under way finish and the run is reported as usual.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(config: RunConfig) -> int:
-    result = _drive(harness.run(config))
+    result = _drive(lambda stop: harness.run(config, stop=stop))
     print(report.summary_table(result))
     if config.result_json:
         report.write_json(config.result_json,
@@ -65,7 +67,7 @@ def _run(config: RunConfig) -> int:
 
 
 def _sweep(config: RunConfig, parameter: SweepParameter, values: list[float]) -> int:
-    results = _drive(harness.sweep(config, parameter, values))
+    results = _drive(lambda stop: harness.sweep(config, parameter, values, stop=stop))
     for result in results:
         print(report.summary_table(result))
     print(report.sweep_table(results, parameter))
@@ -91,12 +93,43 @@ def _status(results: list[RunResult]) -> int:
     return 1 if failed else 0
 
 
-def _drive(coro: Coroutine[Any, Any, T]) -> T:
-    """Run on uvloop: the client's own overhead is part of what it measures."""
+def _drive(run: Callable[[asyncio.Event], Coroutine[Any, Any, T]]) -> T:
+    """Run `run(stop)` on uvloop (the client's own overhead is part of what it
+    measures). The first SIGINT or SIGTERM sets `stop`: nothing new is sent, the
+    requests under way finish and the run is reported as usual; a second one
+    interrupts (exit 130, nothing written)."""
     import uvloop
 
+    interrupted = False
+
+    async def main() -> T:
+        loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+
+        def on_signal() -> None:
+            nonlocal interrupted
+            if not stop.is_set():
+                print("loadtest: stopping: no new requests, waiting for those under way "
+                      "(again to abort)", file=sys.stderr, flush=True)
+                stop.set()
+            elif task is not None:
+                interrupted = True
+                task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            return await run(stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+        try:
+            return runner.run(main())
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
 
 
 def _plot_dir(config: RunConfig) -> Path | None:

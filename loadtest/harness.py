@@ -3,9 +3,11 @@ send them on schedule, summarize. `run` does one point, `sweep` several."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,20 +42,33 @@ class RunResult:
     finished_at: str
     metrics: Metrics
     records: list[RequestRecord]
+    time_zero_unix_s: float = 0.0
+    """Wall-clock time (Unix seconds) of the run's time zero: each record's
+    `scheduled_s`, `start_s` and `end_s` are offsets from it (to line requests up with
+    other logs: a deploy, a restart)."""
 
 
-async def run(config: RunConfig) -> RunResult:
+async def run(config: RunConfig, *, stop: asyncio.Event | None = None) -> RunResult:
+    """`stop`, once set, ends the run early: no new request is sent, those under way
+    finish and are measured."""
     model = await check_server(config)
-    return await measure(config, build_workload(config, model))
+    return await measure(config, build_workload(config, model), stop=stop)
 
 
 async def sweep(config: RunConfig, parameter: SweepParameter,
-                values: Sequence[float]) -> list[RunResult]:
-    """One run per value of ``parameter``, in order, on the same prompts."""
+                values: Sequence[float], *,
+                stop: asyncio.Event | None = None) -> list[RunResult]:
+    """One run per value of ``parameter``, in order, on the same prompts; `stop` ends
+    the point under way early and skips the rest."""
     points = [point_config(config, parameter, v) for v in values]
     model = await check_server(config)
     workload = build_workload(max(points, key=lambda c: c.prompt_count), model)
-    return [await measure(c, workload) for c in points]
+    results = []
+    for point in points:
+        results.append(await measure(point, workload, stop=stop))
+        if stop is not None and stop.is_set():
+            break
+    return results
 
 
 def point_config(config: RunConfig, parameter: SweepParameter, value: float) -> RunConfig:
@@ -126,7 +141,8 @@ def build_workload(config: RunConfig, model: str) -> Workload:
     return Workload(model=model, payloads=payloads, tokenizer=tokenizer)
 
 
-async def measure(config: RunConfig, workload: Workload) -> RunResult:
+async def measure(config: RunConfig, workload: Workload, *,
+                  stop: asyncio.Event | None = None) -> RunResult:
     offsets = arrival_offsets(config.request_count, request_rate=config.request_rate,
                               burstiness=config.burstiness, ramp_up=config.ramp_up,
                               seed=config.seed)
@@ -136,9 +152,10 @@ async def measure(config: RunConfig, workload: Workload) -> RunResult:
         duration_s=config.duration_s, request_timeout_s=config.request_timeout_s,
         num_warmups=config.num_warmups, stream=config.stream, headers=config.headers,
         request_id_prefix=config.request_id_prefix, progress=config.progress,
-        label=_label(config))
+        label=_label(config), stop=stop)
     started = _now()
     outcome = await run_load(plan)
+    time_zero = time.time() - (time.perf_counter() - outcome.started_perf_s)
     finished = _now()
     if workload.tokenizer is not None:
         for r in outcome.records:
@@ -147,6 +164,7 @@ async def measure(config: RunConfig, workload: Workload) -> RunResult:
     metrics = summarize(outcome.records, outcome.duration_s, percentiles=config.percentiles,
                         slos_ms=config.goodput_ms)
     return RunResult(config=config, model=workload.model, started_at=started,
+                     time_zero_unix_s=round(time_zero, 4),
                      finished_at=finished, metrics=metrics, records=outcome.records)
 
 

@@ -59,6 +59,7 @@ def metadata_dict(result: RunResult) -> dict[str, Any]:
     return {
         "started_at": result.started_at,
         "finished_at": result.finished_at,
+        "time_zero_unix_s": result.time_zero_unix_s,
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
         "aiohttp": aiohttp.__version__,

@@ -1,11 +1,17 @@
 """`python -m loadtest run|sweep` end to end against the scripted fake server."""
 
 import json
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 from loadtest.cli import main
 from loadtest.fakes import Script
+from tests.waiting import wait_for_sync
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -192,3 +198,53 @@ def test_other_endpoints_and_arrival_shapes(threaded_server, prompts, tmp_path, 
     m = json.loads(out.read_text())["metrics"]
     assert (code, m["completed"], m["total_output_tokens"]) == (0, 5, 15)
     assert (m["ttft_ms"]["count"] == 5) is timed
+
+
+def _start_cli(url: str, prompts, out) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "loadtest", "run", "--base-url", url, "--dataset", "jsonl",
+         "--dataset-path", str(prompts), "--output-len", "4", "--request-rate", "20",
+         "--duration", "120", "--result-json", str(out), "--save-detailed", "--no-plots",
+         "--disable-tqdm"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_first_interrupt_stops_sending_and_reports_what_was_sent(threaded_server, prompts,
+                                                                   tmp_path):
+    server = threaded_server(Script(ttft_s=0.3, itl_s=0.01))
+    out = tmp_path / "run.json"
+    proc = _start_cli(server.url, prompts, out)
+    try:
+        wait_for_sync(lambda: server.server.received >= 10, "ten requests sent")
+        signalled = time.time()
+        proc.send_signal(signal.SIGINT)
+        printed, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, printed
+    assert "stopping: no new requests" in printed and "Successful requests:" in printed
+    doc = json.loads(out.read_text())
+    m, zero = doc["metrics"], doc["metadata"]["time_zero_unix_s"]
+    # every request sent before the signal, and each one answered in full
+    assert m["failed"] == 0 and m["completed"] == len(doc["requests"]) >= 10
+    assert max(zero + r["start_s"] for r in doc["requests"]) < signalled + 0.2
+    assert all(r["output_tokens"] == 4 for r in doc["requests"])
+
+
+def test_a_second_interrupt_aborts_without_results(threaded_server, prompts, tmp_path):
+    server = threaded_server(Script(ttft_s=60))  # answers nothing for a minute
+    out = tmp_path / "run.json"
+    proc = _start_cli(server.url, prompts, out)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for_sync(lambda: server.server.received >= 2, "two requests sent")
+        proc.send_signal(signal.SIGINT)
+        wait_for_sync(lambda: any("stopping" in ln for ln in lines), "the first interrupt")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    assert "loadtest: interrupted" in "".join(lines) and not out.exists()
