@@ -31,6 +31,7 @@ from dpserve.replicas.launcher import (
 )
 from dpserve.replicas.supervisor import ReplicaStartError, Supervisor
 from dpserve.rollout.adapter_deploy import AdapterDeploys
+from dpserve.rollout.admit import Admission
 from dpserve.rollout.api import deploy_routes
 from dpserve.rollout.converge import Restarter
 from dpserve.rollout.deployed import Deployed, weights_for
@@ -165,9 +166,12 @@ def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterCon
 
 def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
             restarter: Restarter | None = None, metrics: RouterMetrics | None = None,
-            default_snapshot_dir: Path | None = None) -> tuple[Router, Rollout]:
+            default_snapshot_dir: Path | None = None,
+            warm_up: bool = True) -> tuple[Router, Rollout]:
     """The router and its rolling deploy, wired together (the composition root: the
-    router knows nothing of deploys but the callables and routes it is given)."""
+    router knows nothing of deploys but the callables and routes it is given).
+    `warm_up=False` admits replicas without their warm-up request (`rollout.admit`):
+    only a benchmark's baseline wants that."""
     metrics = metrics if metrics is not None else RouterMetrics(pool)
     adapters = AdapterDeploys(pool, Adapters(), enabled=config.enable_lora,
                               max_lora_rank=config.max_lora_rank)
@@ -175,7 +179,8 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
                            default_snapshot_dir=default_snapshot_dir, adapters=adapters)
     router = Router(pool, config, metrics=metrics, own_pause=rollout.hot_loading,
                     weight_version=rollout.deployed_version, routes=deploy_routes(rollout),
-                    adapters=adapters.adapters, admit=adapters.admit)
+                    adapters=adapters.adapters,
+                    admit=Admission(then=adapters.admit) if warm_up else adapters.admit)
     return router, rollout
 
 

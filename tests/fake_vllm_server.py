@@ -1,8 +1,9 @@
 """A fake vLLM server *process* for supervisor tests (named as a fake).
 
-Speaks `/health` and `/v1/models`, and like vLLM keeps a child process (its
-"engine core") in its process group, so tests can check that stopping a
-replica leaves nothing behind. `--fail-after-s` makes it exit with an error
+Speaks `/health`, `/v1/models` and enough of `/v1/completions` for the router's
+warm-up request before it admits a replica (one token, its logprob), and like vLLM
+keeps a child process (its "engine core") in its process group, so tests can check
+that stopping a replica leaves nothing behind. `--fail-after-s` makes it exit with an error
 before it becomes healthy. Separate from tests/fakes.py because it is a process
 (what the supervisor starts, watches, signals and kills), not an in-process server.
 
@@ -47,6 +48,10 @@ async def main() -> None:
     app.router.add_get("/health", lambda r: web.Response())
     app.router.add_get("/v1/models", lambda r: web.json_response(
         {"object": "list", "data": [{"id": args.served_model_name}]}))
+    app.router.add_post("/v1/completions", lambda r: web.json_response(
+        {"object": "text_completion", "model": args.served_model_name, "choices": [
+            {"index": 0, "text": " x", "finish_reason": "length",
+             "logprobs": {"tokens": [" x"], "token_logprobs": [-0.5]}}]}))
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", args.port).start()

@@ -176,7 +176,7 @@ class Convergence:
         if self._restarter is not None:
             self.touched.setdefault(replica.id, self._restarter.launched(replica.id)[0])
         admin = EngineAdmin(self.client, replica.url, reload_timeout_s=self._reload_timeout_s)
-        model, steps = _model_name(replica), rp.steps
+        model, steps = canary_model(replica), rp.steps
         if replica.id not in self.failed:
             # The canary on the old weights first, while the replica still serves: one that
             # cannot pass fails here, before anything changes, and the engine's lazy set-up
@@ -253,7 +253,7 @@ async def _timed(steps: dict[str, float], name: str, step: Awaitable[object]) ->
     steps[name] = round(time.monotonic() - t0, 4)
 
 
-def _model_name(replica: Replica) -> str:
+def canary_model(replica: Replica) -> str:
     """The base model's name for the canary: the engine also lists the LoRA adapter
     versions it holds (`NAME@VERSION`), which are not the weights being checked (and
     may be unloaded while the canary runs)."""

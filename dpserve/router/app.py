@@ -114,13 +114,14 @@ class Router:
         self.metrics.queue_depth.set(self.dispatcher.queue.waiting)
 
     async def start(self) -> None:
-        """Find the replicas, check them once (those already up serve the first
-        request), then keep doing both in the background."""
+        """Find the replicas, check them once (those already up, once admitted, serve
+        the first request), then keep doing both in the background."""
         if self.discovery is not None:
             await self.discovery.refresh()
             self._tasks.append(asyncio.create_task(self.discovery.run(),
                                                    name="dpserve-discovery"))
         await self.health.check_all()
+        await self.health.admitted()
         self._tasks.append(asyncio.create_task(self.health.run(), name="dpserve-health"))
         if self.scraper is not None:
             await self.scraper.scrape_all()
@@ -133,6 +134,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        await self.health.aclose()
         self.upstream.close()
         await self.control.aclose()
 

@@ -4,7 +4,9 @@ Every `health_interval_s` each replica's `GET /health` is called. A ready
 replica leaves rotation after `unhealthy_threshold` consecutive failures; a
 starting or down one enters it after `healthy_threshold` consecutive
 successes, at which point its served model names are read from `/v1/models`
-(and, with adapters served, the versions it lacks are loaded into it first).
+and the `admit` step runs (the engine's warm-up, the adapters it lacks: see
+`dpserve.rollout.admit`), in a task of its own: a slow one holds neither the
+other replicas' checks nor the next round.
 Replicas being drained or reloaded belong to the admin path and are left alone.
 
 Passive signals (a refused connection in the proxy, a process exit seen by the
@@ -52,6 +54,9 @@ class HealthChecker:
         self._on_failure = on_failure
         self._own_pause = own_pause
         self._admit = admit
+        self._admitting: dict[str, asyncio.Task[None]] = {}
+        """Admissions under way, by replica id: they run beside the checks, since an
+        admission may take seconds (the engine's warm-up, loading adapters)."""
 
     async def run(self) -> None:
         """Check forever; cancel the task to stop."""
@@ -66,9 +71,13 @@ class HealthChecker:
             await self._record(replica, error)
 
     async def check_one(self, replica: Replica) -> None:
-        """Probe one replica now (an admin undrain need not wait for the next round)."""
+        """Probe one replica now (an admin undrain need not wait for the next round),
+        and wait for its admission if that probe starts one."""
         if replica.state in CHECKED:
             await self._record(replica, await self._probe(replica))
+            admitting = self._admitting.get(replica.id)
+            if admitting is not None:
+                await asyncio.gather(admitting, return_exceptions=True)
 
     async def _probe(self, replica: Replica) -> str | None:
         """None if healthy, else why not."""
@@ -115,20 +124,40 @@ class HealthChecker:
         if verdict.state is replica.state:
             return
         if verdict.state is ReplicaState.READY:
-            models = await self._fetch_models(replica)
-            if models is not None and replica.state in CHECKED:
-                replica.models = models
-                problem = await self._admit(replica) if self._admit is not None else None
-                if problem is not None:
-                    replica.last_error = problem
-                    log.warning("replica %s: healthy, not admitted yet: %s", replica.id, problem)
-                elif replica.state in CHECKED:
-                    self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+            if replica.id not in self._admitting:
+                task = asyncio.create_task(self._admit_replica(replica),
+                                           name=f"dpserve-admit-{replica.id}")
+                self._admitting[replica.id] = task
+                task.add_done_callback(lambda _: self._admitting.pop(replica.id, None))
         else:
             self._pool.set_state(
                 replica, verdict.state,
                 f"{replica.health_failures} health checks failed, last: {error}",
             )
+
+    async def _admit_replica(self, replica: Replica) -> None:
+        models = await self._fetch_models(replica)
+        if models is None or replica.state not in CHECKED:
+            return
+        replica.models = models
+        problem = await self._admit(replica) if self._admit is not None else None
+        if problem is not None:
+            replica.last_error = problem
+            log.warning("replica %s: healthy, not admitted yet: %s", replica.id, problem)
+        elif replica.state in CHECKED and replica.health_failures == 0:
+            self._pool.set_state(replica, ReplicaState.READY, "health checks pass")
+
+    async def admitted(self) -> None:
+        """Wait for the admissions under way (each ends admitted or not)."""
+        while self._admitting:
+            await asyncio.gather(*self._admitting.values(), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Cancel the admissions under way."""
+        tasks = list(self._admitting.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _fetch_models(self, replica: Replica) -> frozenset[str] | None:
         try:

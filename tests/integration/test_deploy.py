@@ -4,6 +4,7 @@ One 2-replica `dpserve serve` for the module (its start overlaps the real
 `dpserve finetune` that makes the first checkpoint); the tests run in order and
 each leaves both replicas ready:
 
+0. each replica answered the router's warm-up request before entering rotation;
 1. refused checkpoints (bad sha256, other shapes, other vocabulary, no
    dpserve.json, NaN) change nothing;
 2. `dpserve deploy` under continuous mixed load fails and aborts no request, and
@@ -276,6 +277,20 @@ def background_load(base_url: str, workers: int) -> Iterator[Load]:
 
 
 # -- the tests ------------------------------------------------------------------------------
+
+
+def test_each_replica_answered_a_warm_up_request_before_it_entered_rotation(fleet: Fleet):
+    """The engine's one-time set-up of the logprobs path (seconds on CPU) is paid before
+    a client request can reach it, not by the first deploy's canary while it serves."""
+    f = fleet
+    router_metrics = httpx.get(f.d.base_url + "/metrics", timeout=10).text
+    assert "dpserve_requests_total{" not in router_metrics  # no client request yet
+    log = f.d.log()
+    for replica in f.replicas():
+        assert replica["state"] == "ready"
+        assert replica_metric(replica["url"], "vllm:request_success_total") >= 1
+        warmed = log.index(f"replica {replica['id']}: warmed up in ")
+        assert warmed < log.index(f"replica {replica['id']}: starting -> ready")
 
 
 def test_refused_checkpoints_change_nothing(fleet: Fleet):

@@ -163,22 +163,24 @@ def test_dpserve_router_discovers_a_replica_by_resolving_localhost(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{router_port}"
     try:
-        resp = _poll(base + "/admin/replicas",
-                     lambda r: r.status_code == 200 and any(
-                         x["state"] == "ready" for x in r.json()["replicas"]), 30)
-        (found,) = resp.json()["replicas"]
-        assert found["id"] == f"127.0.0.1:{replica_port}"
-        assert found["url"] == f"http://127.0.0.1:{replica_port}"
-        models = httpx.get(base + "/v1/models", timeout=5).json()
-        assert [m["id"] for m in models["data"]] == ["fake-model"]
+        try:
+            resp = _poll(base + "/admin/replicas",
+                         lambda r: r.status_code == 200 and any(
+                             x["state"] == "ready" for x in r.json()["replicas"]), 30)
+            (found,) = resp.json()["replicas"]
+            assert found["id"] == f"127.0.0.1:{replica_port}"
+            assert found["url"] == f"http://127.0.0.1:{replica_port}"
+            models = httpx.get(base + "/v1/models", timeout=5).json()
+            assert [m["id"] for m in models["data"]] == ["fake-model"]
+        finally:
+            replica.send_signal(signal.SIGTERM)
+            replica.wait(timeout=10)
+        # Its engine gone, the replica leaves rotation (the name still resolves, so it
+        # stays listed, down, until the health checks see it back).
+        _poll(base + "/ready", lambda r: r.status_code == 503, 15)
     finally:
-        replica.send_signal(signal.SIGTERM)
-        replica.wait(timeout=10)
-    # Its engine gone, the replica leaves rotation (the name still resolves, so it stays
-    # listed, down, until the health checks see it back).
-    _poll(base + "/ready", lambda r: r.status_code == 503, 15)
-    router.send_signal(signal.SIGTERM)
-    out, _ = router.communicate(timeout=30)
+        router.send_signal(signal.SIGTERM)
+        out, _ = router.communicate(timeout=30)
     assert router.returncode == 0, out
     assert f"found replica 127.0.0.1:{replica_port}" in out
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.router.health import HealthChecker
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from tests.waiting import wait_for
 
 
 class ScriptedReplicaTransport(httpx.AsyncBaseTransport):
@@ -30,6 +34,7 @@ async def check(state: ReplicaState, *statuses: int) -> tuple[Replica, list[Repl
         checker = HealthChecker(pool, config, client)
         for _ in statuses:
             await checker.check_all()
+            await checker.admitted()
             seen.append(replica.state)
     return replica, seen
 
@@ -44,3 +49,62 @@ async def test_a_down_replica_returns_after_two_good_checks_with_its_models_read
     replica, seen = await check(ReplicaState.DOWN, 200, 500, 200, 200)
     assert seen == [ReplicaState.DOWN] * 3 + [ReplicaState.READY]
     assert replica.models == frozenset({"tiny"})
+
+
+class HealthyReplicas(httpx.AsyncBaseTransport):
+    """Fake replicas: `/health` answers 200 unless the host is in `failing`."""
+
+    def __init__(self) -> None:
+        self.failing: set[str] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        return httpx.Response(500 if request.url.host in self.failing else 200)
+
+
+async def test_a_slow_admission_holds_neither_the_other_replicas_nor_the_next_checks():
+    slow, quick = (Replica(id=i, url=f"http://{i}", state=ReplicaState.STARTING)
+                   for i in ("slow", "quick"))
+    pool = ReplicaPool([slow, quick])
+    warmed = asyncio.Event()
+    admitted: list[str] = []
+
+    async def admit(replica: Replica) -> str | None:
+        if replica is slow:
+            await warmed.wait()  # an engine paying its first request's set-up
+        admitted.append(replica.id)
+        return None
+
+    config = RouterConfig(unhealthy_threshold=2, healthy_threshold=1)
+    async with httpx.AsyncClient(transport=HealthyReplicas()) as client:
+        checker = HealthChecker(pool, config, client, admit=admit)
+        await checker.check_all()
+        await wait_for(lambda: quick.state is ReplicaState.READY, "the quick one admitted")
+        await checker.check_all()  # a later round runs meanwhile, starts no second admission
+        assert slow.state is ReplicaState.STARTING and admitted == ["quick"]
+        warmed.set()
+        await checker.admitted()
+    assert slow.state is ReplicaState.READY and admitted == ["quick", "slow"]
+
+
+@pytest.mark.parametrize("problem", [None, "warm-up request failed: HTTP 500"])
+async def test_a_replica_failing_while_it_was_admitted_stays_out(problem):
+    replica = Replica(id="r0", url="http://r0", state=ReplicaState.DOWN)
+    transport = HealthyReplicas()
+    release = asyncio.Event()
+
+    async def admit(r: Replica) -> str | None:
+        await release.wait()
+        return problem
+
+    config = RouterConfig(unhealthy_threshold=2, healthy_threshold=1)
+    async with httpx.AsyncClient(transport=transport) as client:
+        checker = HealthChecker(ReplicaPool([replica]), config, client, admit=admit)
+        await checker.check_all()
+        transport.failing.add("r0")
+        await checker.check_all()
+        release.set()
+        await checker.admitted()
+    assert replica.state is ReplicaState.DOWN
+    assert replica.last_error == (problem or "/health answered 500")

@@ -40,6 +40,7 @@ async def checks(transport: PausableReplicaTransport, script: list[bool | None],
         for paused in script:
             transport.paused = paused
             await checker.check_all()
+            await checker.admitted()
             seen.append(replica.state)
     return replica, seen
 
