@@ -208,8 +208,9 @@ def _add_demo(sub: Subparsers) -> None:
                       help=f"fine-tuning steps (default {DEFAULT_DEMO_STEPS})")
     demo.add_argument("--questions", type=int, default=9,
                       help="held-out questions asked before and after (1-45, default 9)")
-    demo.add_argument("--load-duration-s", type=float, default=20.0,
-                      help="seconds the load test sends while the deploy runs (default 20)")
+    demo.add_argument("--load-duration-s", type=float, default=120.0,
+                      help="the most seconds the load test may send; it stops once the "
+                           "deploy is done (default 120)")
 
 
 def _add_config_reference(sub: Subparsers) -> None:

@@ -6,8 +6,9 @@
    random-weight base model answers nonsense;
 3. `dpserve finetune` on the training split, data-parallel (2 ranks), with a
    progress bar;
-4. start a bounded load test (`python -m loadtest run`) and, while it sends,
-   `dpserve deploy` the checkpoint: a rolling hot-load, replica by replica;
+4. start a bounded load test (`python -m loadtest run`), let it run STEADY_S, then
+   `dpserve deploy` the checkpoint (a rolling hot-load, replica by replica) and stop
+   the load once the deploy is done; print TTFT during the deploy beside before it;
 5. ask the same questions: now answered right; the load test reports no failure;
 6. show where the metrics, the admin API and the result files are, stop `serve`
    with SIGTERM and check that every process it started is gone.
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from dpserve.demo.deploy_window import TtftWindows, ttft_windows
 from dpserve.demo.processes import poll, shutdown, stop_group
 from dpserve.demo.tiny import printable, serve_command, wait_ready
 from dpserve.replicas.launcher import free_port, visible_gpus
@@ -50,6 +53,8 @@ FINETUNE_FLAGS = (
     "--log-every", "1", "--seed", "0",
 )
 ANSWER_TOKENS = 16
+STEADY_S = 10.0
+"""Seconds of load before the deploy: the steady state its TTFT is compared with."""
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
@@ -67,10 +72,23 @@ class DemoOptions:
     """Fine-tuning steps (global batch 32 on 2 ranks)."""
     questions: int = 9
     """Held-out questions asked before and after (at most the 45 held out)."""
-    load_duration_s: float = 20.0
-    """How long the load test sends; the deploy starts once it is sending."""
+    load_duration_s: float = 120.0
+    """The most the load test may send; it is stopped once the deploy is done (the
+    deploy starts STEADY_S after its first answers)."""
     load_rate: float = 8.0
     """Load-test requests per second (Poisson arrivals, at most 8 in flight)."""
+
+
+@dataclass(frozen=True)
+class DeployRun:
+    load: dict[str, Any]
+    """The load test's result document."""
+    deploy_code: int
+    """`dpserve deploy`'s exit status."""
+    during: int
+    """Load-test requests answered while the deploy ran."""
+    windows: TtftWindows | None
+    """TTFT during the deploy and before it (None: no per-request results)."""
 
 
 @dataclass(frozen=True)
@@ -133,9 +151,9 @@ def run_demo(options: DemoOptions) -> int:
 
         _section("4. rolling deploy under load")
         with _phase(timings, "load test + deploy"):
-            load, deploy_code, during = _deploy_under_load(
+            deployed = _deploy_under_load(
                 checkpoint, base, model_dir, TINY_MODEL_NAME, options, out, env, helpers)
-        ok &= _report_deploy(load, deploy_code, during, base, out, env)
+        ok &= _report_deploy(deployed, base, out, env)
 
         _section("5. the same questions for the fine-tuned model")
         after = _ask(client, TINY_MODEL_NAME, questions)
@@ -164,18 +182,19 @@ def run_demo(options: DemoOptions) -> int:
 # -- the steps ------------------------------------------------------------------------------
 
 
-def _report_deploy(load: dict[str, Any], deploy_code: int, during: int, base: str, out: Path,
-                   env: dict[str, str]) -> bool:
+def _report_deploy(run: DeployRun, base: str, out: Path, env: dict[str, str]) -> bool:
     """Print how the load test fared during the deploy and `dpserve status`; whether the
     deploy succeeded with no failed request and some answered while it ran."""
-    load_metrics = load.get("metrics", {})
+    load_metrics = run.load.get("metrics", {})
     print(f"load test: {load_metrics.get('completed', '?')} requests succeeded, "
-          f"{load_metrics.get('failed', '?')} failed; {during} answered while the deploy "
+          f"{load_metrics.get('failed', '?')} failed; {run.during} answered while the deploy "
           f"ran (full report: {out / 'loadtest.log'})")
+    if run.windows is not None:
+        print(run.windows.line())
     status = subprocess.run([sys.executable, "-m", "dpserve", "status", "--router", base],
                             capture_output=True, text=True, env=env, timeout=60)
     print(status.stdout.rstrip())
-    return deploy_code == 0 and load_metrics.get("failed") == 0 and during > 0
+    return run.deploy_code == 0 and load_metrics.get("failed") == 0 and run.during > 0
 
 
 def _record_answers(path: Path, checkpoint: Path, before: list[Answer],
@@ -254,14 +273,15 @@ def _finetune(model_dir: Path, data: Path, output: Path, steps: int, ranks: int,
 
 def _deploy_under_load(checkpoint: Path, base: str, model_dir: Path, model: str,
                        options: DemoOptions, out: Path, env: dict[str, str],
-                       helpers: list[subprocess.Popen[bytes]]) -> tuple[dict[str, Any], int, int]:
-    """(load-test result document, `dpserve deploy` exit status, load-test requests
-    answered while the deploy ran)."""
+                       helpers: list[subprocess.Popen[bytes]]) -> DeployRun:
+    """Load test, steady for STEADY_S, `dpserve deploy`, then the load test stopped (it
+    finishes the requests under way): the load spans the whole deploy."""
     load_cmd = [sys.executable, "-m", "loadtest", "run", "--base-url", base, "--model", model,
                 "--tokenizer", str(model_dir), "--random-input-len", "32",
                 "--random-output-len", "16", "--request-rate", str(options.load_rate),
                 "--max-concurrency", "8", "--duration", str(options.load_duration_s),
-                "--result-json", str(out / "loadtest.json"), "--disable-tqdm"]
+                "--result-json", str(out / "loadtest.json"), "--save-detailed",
+                "--disable-tqdm"]
     load_env = dict(env)
     if key := os.environ.get("DPSERVE_API_KEY"):
         load_env["OPENAI_API_KEY"] = key
@@ -273,26 +293,33 @@ def _deploy_under_load(checkpoint: Path, base: str, model_dir: Path, model: str,
     helpers.append(load)
     poll(lambda: load.poll() is not None or _completions_served(base) > served_before, 60,
           "the load test's first answers")
+    time.sleep(STEADY_S)  # the steady state the deploy is compared with
     if load.poll() is not None:
-        raise RuntimeError(f"the load test ended at once; see {out / 'loadtest.log'}")
+        raise RuntimeError(f"the load test ended early; see {out / 'loadtest.log'}")
 
     cmd = [sys.executable, "-m", "dpserve", "deploy", str(checkpoint), "--router", base]
     print(f"$ dpserve {' '.join(cmd[3:])}", flush=True)
-    at_deploy = _completions_served(base)
+    at_deploy, t_deploy = _completions_served(base), time.time()
     deploy = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    t_done = time.time()
     during = _completions_served(base) - at_deploy
     print(("  " + deploy.stdout.rstrip().replace("\n", "\n  ")) if deploy.stdout else "",
           deploy.stderr.rstrip(), sep="\n" if deploy.stderr else "", flush=True)
-    if load.poll() is not None:
+    spanned = load.poll() is None
+    if spanned:
+        load.send_signal(signal.SIGINT)  # stop sending; those under way finish
+    else:
         print("note: the load test ended before the deploy did; raise --load-duration-s")
     try:
-        load.wait(timeout=options.load_duration_s + 120)
+        load.wait(timeout=120)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"the load test did not end; see {out / 'loadtest.log'}") from None
     helpers.remove(load)
     result = out / "loadtest.json"
     doc = json.loads(result.read_text()) if result.exists() else {}
-    return doc, deploy.returncode, during
+    windows = (ttft_windows(doc, t_deploy, t_done, steady_s=STEADY_S)
+               if doc.get("requests") else None)
+    return DeployRun(doc, deploy.returncode, during, windows)
 
 
 def _completions_served(base: str) -> int:

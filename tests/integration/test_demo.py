@@ -21,7 +21,7 @@ def test_the_demo_fine_tunes_and_deploys_right_answers_without_failing_a_request
         tiny_model: Path, tmp_path: Path):
     done = subprocess.run(
         [sys.executable, "-m", "dpserve", "demo", "--model", str(tiny_model),
-         "--run-dir", str(tmp_path), "--load-duration-s", "12"],
+         "--run-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=840, env=offline_env())
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
@@ -42,5 +42,10 @@ def test_the_demo_fine_tunes_and_deploys_right_answers_without_failing_a_request
     load = json.loads((run / "loadtest.json").read_text())["metrics"]
     assert load["failed"] == 0 and load["completed"] > 0
     assert "succeeded in" in output and "is deployed" in output
+    # the load ran before the deploy, throughout it, and was stopped after it
+    assert "ended before the deploy" not in output
+    ttft = re.search(r"TTFT p50 / p99: \d+ / \d+ ms \((\d+) requests\) before the deploy · "
+                     r"\d+ / \d+ ms \((\d+) requests\) during it", output)
+    assert ttft and int(ttft[1]) > 0 and int(ttft[2]) > 0, output[-6000:]
     assert "exited with code 0; no process left behind" in output
     assert "demo passed" in output
