@@ -55,13 +55,14 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def fleet(model: Path, work: Path, replicas: int, *, checkpoint_root: Path | None = None,
-                **router_options: Any) -> AsyncIterator[Fleet]:
+                warm_up: bool = True, **router_options: Any) -> AsyncIterator[Fleet]:
     """`replicas` replicas of `model` (served as the tiny model's name), ready on entry;
     deploys accept checkpoints inside `checkpoint_root` (default `work`), snapshots and
     replica logs go to `work`. On exit the rolling deploy is cancelled, the router
     stopped, then the replicas. `router_options`: RouterConfig fields, e.g.
     `enable_lora=True` (every replica starts with `--enable-lora` and run-time adapter
-    loading) or `policy="round-robin"`."""
+    loading) or `policy="round-robin"`. `warm_up=False`: replicas enter rotation without
+    their warm-up request (a baseline)."""
     router_cfg = RouterConfig(port=free_port(), log_level="warning",
                               checkpoint_root=str(checkpoint_root or work),
                               snapshot_dir=str(work / "snapshots"), **router_options)
@@ -75,7 +76,8 @@ async def fleet(model: Path, work: Path, replicas: int, *, checkpoint_root: Path
     pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
                                 weight_version=deployed.current.version) for s in specs])
     supervisor = Supervisor(specs, pool, cfg, deployed=deployed)
-    router, rollout = compose(pool, deployed, router_cfg, restarter=supervisor)
+    router, rollout = compose(pool, deployed, router_cfg, restarter=supervisor,
+                              warm_up=warm_up)
     server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning",
                                            lifespan="on", http="httptools"))
     serving = asyncio.create_task(server.serve(sockets=[bind_socket("127.0.0.1",

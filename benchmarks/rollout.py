@@ -1,26 +1,37 @@
-"""Rolling out a new checkpoint: hot-load versus restarting each replica, under load.
+"""Rolling out a new checkpoint under load: what clients see while it runs, and (with
+`--restart`) hot-loading against restarting each replica.
 
-Both strategies roll the same fleet (N real vLLM replicas of the tiny model,
-default 2) from one checkpoint to the next while closed-loop clients keep
-sending requests through the router, one strategy after the other in the same
-run:
+For each load shape (`--load closed`: `--clients` requests back to back; `open`: Poisson
+arrivals at `--rate` req/s, at most `--clients` in flight; default both), two fresh
+fleets of N real vLLM CPU replicas of the tiny model (default 2), started as `make demo`
+starts them (`--enforce-eager --dtype float32`), each rolled twice by hot-load
+(`dpserve deploy`'s path: validate, then per replica canary on the old weights, drain,
+pause, reload, reset the prefix cache, resume, canary, re-admit):
 
-- **hot-load** — `dpserve deploy`'s path: validate, then per replica drain,
-  pause, reload weights, reset the prefix cache, resume, canary, re-admit;
-- **restart** — the usual way without hot-loading: per replica drain, wait for
-  its in-flight requests, stop the process, start it on the new checkpoint (the
-  supervisor does, from the deployed record), wait until it is healthy,
-  re-admit.
+- **warm** — dpserve as it runs: a replica answers a warm-up request (the canary's
+  shape: greedy, with logprobs) before it first enters rotation;
+- **cold** — the baseline: replicas enter rotation on their health checks alone, so the
+  engine's one-time set-up of the logprobs path (seconds) is paid by the first deploy's
+  canary while the replica serves, and by every request batched beside it.
 
-Hot-load runs twice: the first deploy after the engines start pays their one-time
-set-up of the logprobs path (the canary's, in its pre-check while the replica still
-serves), the second shows the steady cost. For each: wall time to roll all
-replicas, failed requests, and capacity
-(completed req/s) while rolling against the steady state before. Ends with the
-speedup (restart time / hot-load time). The fleet runs in this process (router,
-supervisor, rollout: what `dpserve serve` composes), the clients too.
+Per fleet: `--steady-s` of load, the **first** deploy after the engines start, then
+`--later` more deploys, each after `--steady-s` of load. With `--restart`, the last
+fleet then rolls by restarting each replica in turn (drain, wait for in-flight requests,
+stop, start on the new checkpoint, wait until healthy, re-admit).
 
-    python benchmarks/rollout.py [--replicas 2] [--clients 4] [--max-tokens 16] [--steady-s 8]
+Requests are streamed completions (random 32-token prompts, 16 output tokens) sent and
+timed by loadtest's client (TTFT as vLLM's benchmark times it). Per deploy: wall time,
+each replica's time out of rotation, failed and aborted requests while it ran, TTFT
+p50/p99 of the requests waiting for a first token at any moment of it against the steady
+window just before (see `_deploy_windows`), and completed req/s over the rolling window
+(the deploy, or `--window-s` from its start if longer) against the steady window.
+Targets (issue: rollouts users don't notice): rolling p99 TTFT <= 2x steady p99,
+throughput >= 0.9x the offered rate (open loop; closed loop: the steady rate), 0 failed,
+0 aborted.
+
+    python benchmarks/rollout.py [--load closed|open|both] [--replicas 2] [--clients 8]
+                                 [--rate 8] [--steady-s 10] [--later 3] [--window-s 10]
+                                 [--restart]
 """
 
 from __future__ import annotations
@@ -32,78 +43,42 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-from _fleet import fleet, wait_until
+from _deploy_windows import Deploy, Window, ms, percentile_ms, window
+from _fleet import Fleet, fleet, wait_until
 
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.progress import DeployOptions
-from dpserve.rollout.rollout import Rollout
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
+from loadtest.arrivals import arrival_offsets
+from loadtest.client import ENDPOINT_PATHS, RequestRecord
+from loadtest.config import RunConfig
+from loadtest.harness import build_workload
+from loadtest.runner import LoadPlan, run_load
+
+PROMPTS = 200
+LOAD_FOR_AT_MOST_S = 3600
+P99_RATIO_TARGET = 2.0
+THROUGHPUT_TARGET = 0.9
 
 
-@dataclass
-class Load:
-    """Closed-loop clients; completion times and failures, by wall clock."""
-
-    url: str
-    clients: int
-    max_tokens: int
-    done_at: list[float] = field(default_factory=list)
-    failed_at: list[tuple[float, str]] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def run(self) -> None:
-        async with aiohttp.ClientSession() as s:
-            await asyncio.gather(*(self._client(s, i) for i in range(self.clients)))
-
-    async def _client(self, s: aiohttp.ClientSession, c: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            stream = (c + n) % 2 == 0
-            body = {"model": TINY_MODEL_NAME, "prompt": f"Client {c} asks about the river {n}",
-                    "max_tokens": self.max_tokens, "temperature": 0.7, "stream": stream}
-            error = None
-            try:
-                async with s.post(self.url + "/v1/completions", json=body) as r:
-                    text = await r.text()
-                    if r.status != 200:
-                        error = f"HTTP {r.status}"
-                    elif stream and (not text.rstrip().endswith("data: [DONE]")
-                                     or '"error"' in text or '"abort"' in text):
-                        error = "broken stream"
-                    elif not stream and '"abort"' in text:
-                        error = "aborted"
-            except aiohttp.ClientError as exc:
-                error = type(exc).__name__
-            if error is None:
-                self.done_at.append(time.monotonic())
-            else:
-                self.failed_at.append((time.monotonic(), error))
-
-    def rate(self, t0: float, t1: float) -> float:
-        return sum(t0 <= t < t1 for t in self.done_at) / max(t1 - t0, 1e-9)
-
-    def failures(self, t0: float, t1: float) -> list[str]:
-        return [why for t, why in self.failed_at if t0 <= t < t1]
-
-
-@dataclass
-class Result:
-    strategy: str
-    seconds: float
-    per_replica: list[float]
-    failed: int
+@dataclass(frozen=True)
+class Rolled:
+    load: str
+    admission: str
+    """warm | cold"""
+    deploy: Deploy
+    window: Window
     rate: float
-    steady: float
-    steps: dict[str, float] = field(default_factory=dict)
-    """Hot-load only: the slowest replica's seconds per step."""
+    """Completed req/s over the rolling window."""
+    steady_rate: float
+    offered: float | None
+    """Open loop: requests due in the rolling window, per second."""
 
 
 def make_checkpoints(model: Path, out: Path) -> list[Path]:
@@ -129,19 +104,33 @@ def make_checkpoints(model: Path, out: Path) -> list[Path]:
     return made
 
 
-async def hot_load(rollout: Rollout, checkpoint: Path, steps: dict[str, float]) -> list[float]:
-    progress = await rollout.start(str(checkpoint), DeployOptions())
-    await rollout.wait()
+def load_plan(url: str, model: Path, shape: str, args: argparse.Namespace,
+              stop: asyncio.Event) -> LoadPlan:
+    config = RunConfig(base_url=url, tokenizer=model, num_prompts=PROMPTS,
+                       random_input_len=32, random_output_len=args.max_tokens)
+    rate = args.rate if shape == "open" else float("inf")
+    count = int(args.rate * LOAD_FOR_AT_MOST_S) if shape == "open" else 1_000_000
+    return LoadPlan(url=url + ENDPOINT_PATHS["completions"],
+                    payloads=build_workload(config, TINY_MODEL_NAME).payloads,
+                    offsets=arrival_offsets(count, request_rate=rate, seed=0),
+                    max_concurrency=args.clients, stop=stop,
+                    request_id_prefix=f"rollout-bench-{shape}-")
+
+
+async def hot_load(f: Fleet, checkpoint: Path) -> tuple[list[float], dict[str, float]]:
+    progress = await f.rollout.start(str(checkpoint), DeployOptions())
+    await f.rollout.wait()
     if progress.state.value != "succeeded":
         raise RuntimeError(f"hot-load deploy {progress.state.value}: {progress.error}")
+    steps: dict[str, float] = {}
     for r in progress.replicas:
         for name, took in r.steps.items():
             steps[name] = max(steps.get(name, 0.0), took)
-    return [r.seconds or 0.0 for r in progress.replicas]
+    return [r.seconds or 0.0 for r in progress.replicas], steps
 
 
 async def restart_each(pool: ReplicaPool, supervisor: Supervisor, deployed: Deployed,
-                       checkpoint: Path, startup_s: float) -> list[float]:
+                       checkpoint: Path, startup_s: float) -> tuple[list[float], dict[str, float]]:
     deployed.current = weights_for(str(checkpoint))  # what restarted replicas load
     took = []
     for replica in pool:
@@ -152,89 +141,180 @@ async def restart_each(pool: ReplicaPool, supervisor: Supervisor, deployed: Depl
             return (r.state is ReplicaState.READY
                     and r.weight_version == deployed.current.version)
 
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         pool.set_state(replica, ReplicaState.DRAINING, "rolling restart")
         await wait_until(drained, 600, "drained replica")
         await supervisor.restart(replica.id, "rolling restart onto the new checkpoint")
         await wait_until(back, startup_s, "restarted replica")
-        took.append(time.monotonic() - t0)
-    return took
+        took.append(time.perf_counter() - t0)
+    return took, {}
 
 
-async def measure(strategy: str, load: Load, roll, steady_s: float) -> Result:  # type: ignore[no-untyped-def]
-    t_steady = time.monotonic()
-    await asyncio.sleep(steady_s)  # steady state just before, same load
-    t0 = time.monotonic()
-    per_replica = await roll()
-    t1 = time.monotonic()
-    failures = load.failures(t0, t1)
-    if failures:
-        print(f"{strategy}: failed requests by reason: {dict(Counter(failures))}", flush=True)
-    return Result(strategy, t1 - t0, per_replica, len(failures),
-                  load.rate(t0, t1), load.rate(t_steady, t0))
+Roll = Callable[[], Awaitable[tuple[list[float], dict[str, float]]]]
 
 
-async def run(args: argparse.Namespace) -> list[Result]:
-    model = build_tiny_model(Path(args.model))
-    work = Path(tempfile.mkdtemp(prefix="dpserve-rollout-bench-"))
-    checkpoints = make_checkpoints(model, work / "out")
-    async with fleet(model, work, args.replicas) as f:
-        load = Load(f.url, args.clients, args.max_tokens)
-        loading = asyncio.create_task(load.run())
+async def measure(label: str, roll: Roll, args: argparse.Namespace) -> Deploy:
+    """`--steady-s` of load, then `roll`; returns once the rolling window is over."""
+    t_steady = time.perf_counter()
+    await asyncio.sleep(args.steady_s)
+    t0 = time.perf_counter()
+    per_replica, steps = await roll()
+    t_done = time.perf_counter()
+    await asyncio.sleep(max(0.0, t0 + args.window_s - t_done))
+    print(f"  {label}: {t_done - t0:.2f} s", flush=True)
+    return Deploy(label=label, kind="full", round=label, t_steady=t_steady, t0=t0,
+                  t_started=t0, t_done=t_done, t_end=t_done, per_replica=per_replica,
+                  steps=steps)
+
+
+def offered_rate(records: list[RequestRecord], t_base: float, t0: float, t1: float) -> float:
+    """Open loop: requests due in [t0, t1) per second (the Poisson draw itself, not the
+    nominal rate: a 10 s window of 8 req/s holds 80 +- 9)."""
+    due = sum(1 for r in records if t0 <= t_base + r.scheduled_s < t1)
+    return due / max(t1 - t0, 1e-9)
+
+
+def completed_rate(records: list[RequestRecord], t_base: float, t0: float, t1: float) -> float:
+    done = sum(1 for r in records if r.ok and t0 <= t_base + r.end_s < t1)
+    return done / max(t1 - t0, 1e-9)
+
+
+async def one_fleet(model: Path, work: Path, checkpoints: list[Path], shape: str, warm: bool,
+                    restart: bool, args: argparse.Namespace) -> list[Rolled]:
+    admission = "warm" if warm else "cold"
+    print(f"{shape} loop, {admission} admission:", flush=True)
+    async with fleet(model, work / f"{shape}-{admission}", args.replicas, warm_up=warm,
+                     checkpoint_root=work) as f:
+        stop = asyncio.Event()
+        loading = asyncio.create_task(run_load(load_plan(f.url, model, shape, args, stop)))
         try:
-            await asyncio.sleep(args.steady_s)  # warm-up, not measured
-            results = []
-            print("rolling by hot-load (twice)...", flush=True)
-            # The first deploy after the engines start pays their one-time set-up of the
-            # logprobs path (the canary's) in its pre-check; later ones do not.
-            for name, ckpt_dir in (("hot-load", checkpoints[0]),
-                                   ("hot-load again", checkpoints[1])):
-                steps: dict[str, float] = {}
-                results.append(await measure(name, load, partial(
-                    hot_load, f.rollout, ckpt_dir, steps), args.steady_s))
-                results[-1].steps = steps
-            print("rolling by restart...", flush=True)
-            results.append(await measure("restart", load, partial(
-                restart_each, f.pool, f.supervisor, f.deployed, checkpoints[0],
-                f.cfg.startup_timeout_s), args.steady_s))
-            return results
+            await asyncio.sleep(2.0)  # the load's own start-up, not measured
+            deploys = [await measure("first deploy", lambda: hot_load(f, checkpoints[0]), args)]
+            for i in range(args.later):
+                target = checkpoints[(i + 1) % 2]
+                deploys.append(await measure(f"later deploy {i + 1}",
+                                             lambda t=target: hot_load(f, t), args))
+            if restart:
+                deploys.append(await measure("restart each", lambda: restart_each(
+                    f.pool, f.supervisor, f.deployed, checkpoints[0],
+                    f.cfg.startup_timeout_s), args))
         finally:
-            load.stop.set()
-            await loading
+            stop.set()
+            outcome = await loading
+    records, t_base = outcome.records, outcome.started_perf_s
+    rolled = []
+    for d in deploys:
+        t1 = max(d.t_done, d.t0 + args.window_s)
+        rolled.append(Rolled(shape, admission, d, window(d, records, t_base),
+                             completed_rate(records, t_base, d.t0, t1),
+                             completed_rate(records, t_base, d.t_steady or d.t0, d.t0),
+                             offered_rate(records, t_base, d.t0, t1) if shape == "open"
+                             else None))
+    return rolled
 
 
-def report(results: list[Result], args: argparse.Namespace) -> None:
-    rows = [("strategy", f"time to roll {args.replicas}", "per replica", "failed",
-             "req/s rolling", "req/s steady", "capacity kept")]
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def verdict(shape: str, which: str, rows: list[Rolled]) -> None:
+    """The targets, on `rows` pooled (TTFT samples together, throughput ratios averaged).
+    Closed loop has no offered rate: its throughput is against the steady state, which
+    a saturating closed loop cannot keep with a replica out of rotation."""
+    if not rows:
+        return
+    steady = [t for r in rows for t in r.window.steady_ttft_s]
+    during = [t for r in rows for t in r.window.ttft_s]
+    failed = [why for r in rows for why in r.window.failed]
+    aborted = sum(r.window.aborted for r in rows)
+    p99, p99_steady = percentile_ms(during, 99), percentile_ms(steady, 99)
+    kept = [r.rate / (r.offered if r.offered is not None else r.steady_rate)
+            for r in rows if (r.offered if r.offered is not None else r.steady_rate)]
+    throughput = sum(kept) / len(kept) if kept else None
+    met = {
+        f"p99 {ms(during, 99)} ms <= 2x steady {ms(steady, 99)} ms":
+            p99 is not None and p99_steady is not None and p99 <= P99_RATIO_TARGET * p99_steady,
+        f"throughput {'-' if throughput is None else f'{throughput:.2f}'}x of "
+        + ("offered" if shape == "open" else "steady") + f" >= {THROUGHPUT_TARGET}x":
+            throughput is not None and throughput >= THROUGHPUT_TARGET,
+        f"{len(failed)} failed": not failed, f"{aborted} aborted": not aborted}
+    print(f"{shape} loop, {which} deploy{'s' if len(rows) > 1 else ''} ({len(rows)}, "
+          f"{len(during)} requests during): " + ", ".join(
+              f"{name} {'met' if ok else 'MISSED'}" for name, ok in met.items())
+          + (f" (failed: {dict(Counter(failed))})" if failed else ""))
+
+
+def report(results: list[Rolled]) -> None:
+    rows = [("load", "admission", "deploy", "time", "per replica", "failed", "aborted",
+             "TTFT p50 ms", "TTFT p99 ms", "p99 ratio", "req/s", "throughput", "requests")]
     for r in results:
-        rows.append((r.strategy, f"{r.seconds:.2f} s",
-                     " / ".join(f"{s:.2f}" for s in r.per_replica) + " s", str(r.failed),
-                     f"{r.rate:.1f}", f"{r.steady:.1f}",
-                     f"{100 * r.rate / r.steady:.0f} %" if r.steady else "-"))
+        d, w = r.deploy, r.window
+        base = r.offered if r.offered is not None else r.steady_rate
+        rows.append((
+            r.load, r.admission, d.label, f"{d.seconds:.2f} s",
+            " / ".join(f"{s:.2f}" for s in d.per_replica) + " s",
+            str(len(w.failed)), str(w.aborted),
+            f"{ms(w.steady_ttft_s, 50)} -> {ms(w.ttft_s, 50)}",
+            f"{ms(w.steady_ttft_s, 99)} -> {ms(w.ttft_s, 99)}",
+            ratio(percentile_ms(w.ttft_s, 99), percentile_ms(w.steady_ttft_s, 99)),
+            f"{r.steady_rate:.1f} -> {r.rate:.1f}",
+            ratio(r.rate, base) + (" of offered" if r.offered is not None else " of steady"),
+            f"{len(w.steady_ttft_s)} / {len(w.ttft_s)}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-    hot, again, restart = results
-    for r in (hot, again):
-        print(f"\n{r.strategy} steps, slowest replica: "
-              + ", ".join(f"{name} {took:.3f} s" for name, took in r.steps.items()))
-    print("(time to roll: from the deploy request, validation included, to the last "
-          "replica back; per replica: out of rotation, from drain to re-admission)")
-    print(f"\nhot-load is {restart.seconds / hot.seconds:.1f}x faster than restarting "
-          f"({restart.seconds / again.seconds:.1f}x once the engines are warm); target >= 10x "
-          f"and 0 failed: {hot.failed + again.failed} failed hot-loading, "
-          f"{restart.failed} restarting")
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print("(time: deploy request to the last replica back; per replica: out of rotation; "
+          "TTFT: steady window -> requests waiting for a first token during the deploy; "
+          "req/s: completed, steady -> rolling window)")
+    for r in results:
+        if r.deploy.steps:
+            print(f"{r.load} {r.admission} {r.deploy.label} steps, slowest replica: "
+                  + ", ".join(f"{step} {took:.3f} s" for step, took in r.deploy.steps.items()))
+    print()
+    for shape in dict.fromkeys(r.load for r in results):
+        for which in ("first", "later"):
+            verdict(shape, which, [r for r in results if r.load == shape
+                                   and r.admission == "warm"
+                                   and r.deploy.label.startswith(which)])
+    hot = [r for r in results if r.admission == "warm" and r.deploy.label != "restart each"]
+    restarts = [r for r in results if r.deploy.label == "restart each"]
+    if restarts and hot:
+        slowest = max(r.deploy.seconds for r in hot)
+        print(f"restarting each replica took {restarts[0].deploy.seconds:.1f} s: "
+              f"{restarts[0].deploy.seconds / slowest:.0f}x the slowest hot-load")
+
+
+async def run(args: argparse.Namespace) -> list[Rolled]:
+    model = build_tiny_model(Path(args.model))
+    work = Path(tempfile.mkdtemp(prefix="dpserve-rollout-bench-"))
+    checkpoints = make_checkpoints(model, work / "out")
+    shapes = ["closed", "open"] if args.load == "both" else [args.load]
+    results: list[Rolled] = []
+    for i, shape in enumerate(shapes):
+        for warm in (False, True):
+            last = i == len(shapes) - 1 and warm
+            results += await one_fleet(model, work, checkpoints, shape, warm,
+                                       args.restart and last, args)
+    return results
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="build/tiny-llama", help="tiny model dir (built if missing)")
+    p.add_argument("--load", choices=("closed", "open", "both"), default="both")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
+    p.add_argument("--clients", type=int, default=8,
+                   help="closed loop: clients; open loop: most requests in flight")
+    p.add_argument("--rate", type=float, default=8.0, help="open loop: Poisson req/s")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--steady-s", type=float, default=8.0,
-                   help="seconds of load measured before each strategy (and of warm-up)")
+    p.add_argument("--steady-s", type=float, default=10.0,
+                   help="seconds of load measured before each deploy")
+    p.add_argument("--later", type=int, default=3, help="deploys after the first, per fleet")
+    p.add_argument("--window-s", type=float, default=10.0,
+                   help="throughput is measured over the deploy or this long, if longer")
+    p.add_argument("--restart", action="store_true",
+                   help="the last fleet also rolls by restarting each replica (minutes here)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import uvloop
@@ -243,7 +323,7 @@ def main() -> int:
         results = uvloop.run(run(args))
     except KeyboardInterrupt:
         return 130
-    report(results, args)
+    report(results)
     return 0
 
 
