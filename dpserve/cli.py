@@ -169,6 +169,10 @@ def _add_deploy(sub: Subparsers) -> None:
                              "(they were trained on the weights replaced)")
     deploy.add_argument("--drain-wait-s", type=float,
                         help="let in-flight requests finish (up to S s) before pausing")
+    deploy.add_argument("--no-mixed-versions", action="store_true", default=None,
+                        help="no response may begin on the old weights and end on the new: "
+                             "pause each replica only once its requests have ended "
+                             "(--drain-wait-s, default 600 s), else fail the deploy")
     deploy.add_argument("--interval-s", type=float, default=10.0,
                         help="--watch: seconds between looks at OUTPUT_DIR")
     deploy.add_argument("--max-deploys", type=int, help="--watch: stop after N deploys")

@@ -140,8 +140,11 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
         record = await client.deploy(record["id"])
     took = time.monotonic() - started
     if record["state"] == "succeeded":
-        print(f"succeeded in {took:.1f} s: {record['version']} is deployed", file=out,
-              flush=True)
+        mixed = record.get("mixed_versions") or 0
+        print(f"succeeded in {took:.1f} s: {record['version']} is deployed"
+              + (f"; up to {mixed} response(s) in flight at a pause finished on the new "
+                 "weights (--no-mixed-versions to avoid)" if mixed else ""),
+              file=out, flush=True)
         return 0
     print(f"{record['state']} after {took:.1f} s: {record['error']}", file=out, flush=True)
     if record["state"] == "rolled_back":
@@ -241,7 +244,8 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             if ns.command == "status":
                 return await run_status(client, out)
             options = {name: getattr(ns, name) for name in
-                       ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters")
+                       ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters",
+                        "no_mixed_versions")
                        if getattr(ns, name, None) is not None}
             if watched is not None:
                 return await run_watch(client, watched, options, out,

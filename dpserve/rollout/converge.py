@@ -130,7 +130,7 @@ class Convergence:
                     rp.phase, rp.version, rp.note = Phase.SKIPPED, weights.version, "serving it"
                     return
         try:
-            await self._hot_load(replica, weights, batch)
+            await self._hot_load(replica, weights, batch, rollback=rollback)
         except Exception as exc:
             if not isinstance(exc, _Untouched):
                 self.failed.add(replica.id)
@@ -157,18 +157,18 @@ class Convergence:
                 self._metrics.replica_reload_duration.observe(seconds)
 
     async def _hot_load(self, replica: Replica, weights: Weights,
-                        batch: set[str]) -> None:
+                        batch: set[str], *, rollback: bool) -> None:
         """Drain (if another replica can take the traffic), pause, reload, reset the
         prefix cache, resume, canary, name the version, re-admit. Raises on any error,
         leaving the replica out of rotation (or, alone, in it) for the rollback."""
         self._hot_loading.add(replica.id)
         try:
-            await self._hot_load_steps(replica, weights, batch)
+            await self._hot_load_steps(replica, weights, batch, rollback=rollback)
         finally:
             self._hot_loading.discard(replica.id)
 
     async def _hot_load_steps(self, replica: Replica, weights: Weights,
-                              batch: set[str]) -> None:
+                              batch: set[str], *, rollback: bool) -> None:
         rp = self.progress.replica(replica.id)
         reason = f"deploy {self.progress.id}"
         admin_drained = (replica.state is ReplicaState.DRAINING
@@ -179,23 +179,37 @@ class Convergence:
         model, steps = canary_model(replica), rp.steps
         if replica.id not in self.failed:
             # The canary on the old weights first, while the replica still serves: one that
-            # cannot pass fails here, before anything changes, and the engine's lazy set-up
-            # (its first logprobs request takes seconds on vLLM 0.32 CPU) is paid in rotation.
+            # cannot pass fails here, before anything changes. It costs milliseconds: the
+            # engine's one-time set-up of this path was paid by its warm-up (`admit`).
             try:
                 await _timed(steps, "precheck", admin.canary(model, self.options.canary_prompt))
             except EngineAdminError as exc:
                 raise _Untouched(f"before reloading, on the old weights: {exc}") from None
         started = time.monotonic()
+        strict = self.options.no_mixed_versions and not rollback
         if any(r.id not in batch and r is not replica for r in self.pool.ready()):
             if replica.state is ReplicaState.READY:
                 rp.phase = Phase.DRAINING
                 self.pool.set_state(replica, ReplicaState.DRAINING, reason)
-                await self.pool.wait_idle(replica, self.options.drain_wait_s)
             if replica.state is ReplicaState.DRAINING:
+                idle = await self.pool.wait_idle(replica, self.options.drain_deadline_s)
+                if strict and not idle:
+                    if not admin_drained:
+                        self.pool.set_state(replica, ReplicaState.READY,
+                                            f"{reason}: not reloaded")
+                    raise _Untouched(
+                        f"{replica.in_flight} request(s) still in flight after "
+                        f"{self.options.drain_deadline_s:g} s of draining; no_mixed_versions "
+                        "keeps them off the new weights (raise drain_wait_s)")
                 self.pool.set_state(replica, ReplicaState.RELOADING, reason)
+        elif strict:  # alone, it keeps serving: what it runs when paused would mix
+            raise _Untouched("no other replica is ready to serve while it drains, so "
+                             "requests would begin on the old weights and end on the new "
+                             "(no_mixed_versions)")
         # else it stays in rotation: requests queue in the paused engine instead of a 503
         rp.phase = Phase.RELOADING
         steps["drain"] = round(time.monotonic() - started, 4)
+        rp.mixed += replica.in_flight  # frozen by the pause, resumed on the new weights
         await _timed(steps, "pause", admin.pause())
         await _timed(steps, "reload", admin.reload_weights(weights.path))
         await _timed(steps, "reset_prefix_cache", admin.reset_prefix_cache())

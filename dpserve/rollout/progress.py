@@ -27,8 +27,11 @@ DEFAULT_CANARY_PROMPT = "The quick brown fox"
 MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
+NO_MIXED_DRAIN_S = 600.0
+"""`no_mixed_versions` without `drain_wait_s`: how long a drained replica's requests
+may take to finish before the deploy gives up on it."""
 DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
-                 "name", "drop_adapters")
+                 "name", "drop_adapters", "no_mixed_versions")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -46,6 +49,15 @@ class DeployOptions:
     drop_adapters: bool = False
     """A full checkpoint while LoRA adapters serve: stop serving them first (they were
     trained on the weights being replaced). Without it such a deploy is refused."""
+    no_mixed_versions: bool = False
+    """Pause a replica only once its requests have ended (`drain_wait_s`, or
+    NO_MIXED_DRAIN_S, at most), so that no response begins on the old weights and ends
+    on the new; a replica still busy by then fails the deploy (rolled back)."""
+
+    @property
+    def drain_deadline_s(self) -> float:
+        """How long a drained replica's requests may run before it is paused."""
+        return self.drain_wait_s or (NO_MIXED_DRAIN_S if self.no_mixed_versions else 0.0)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> DeployOptions:
@@ -71,11 +83,12 @@ class DeployOptions:
                 raise Refused(400, "canary_prompt must be a non-empty string of at most "
                                    "4096 characters", param="canary_prompt")
             values["canary_prompt"] = prompt
-        drop = body.get("drop_adapters")
-        if drop is not None:
-            if not isinstance(drop, bool):
-                raise Refused(400, "drop_adapters must be true or false", param="drop_adapters")
-            values["drop_adapters"] = drop
+        for flag in ("drop_adapters", "no_mixed_versions"):
+            value = body.get(flag)
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise Refused(400, f"{flag} must be true or false", param=flag)
+                values[flag] = value
         return cls(**values)
 
 
@@ -116,13 +129,17 @@ class ReplicaProgress:
     """Time the replica spent out of rotation (drain to re-admission)."""
     steps: dict[str, float] = field(default_factory=dict)
     """Seconds each hot-load step took (drain, pause, reload, ..., canary)."""
+    mixed: int = 0
+    """Requests this router had in flight on the replica when it was paused: each
+    resumes on the new weights, so its response may mix two versions (at most this
+    many: one already generated and still being sent did not)."""
     note: str | None = None
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "phase": self.phase.value, "from_version": self.from_version,
                 "version": self.version, "seconds": self.seconds, "steps": dict(self.steps),
-                "note": self.note, "error": self.error}
+                "mixed_versions": self.mixed, "note": self.note, "error": self.error}
 
 
 @dataclass
@@ -175,4 +192,5 @@ class DeployProgress:
             "options": self.options, "started_at": self.started_at,
             "finished_at": self.finished_at,
             "replicas": [r.to_json() for r in self.replicas], "events": list(self.events),
+            "mixed_versions": sum(r.mixed for r in self.replicas),
         }

@@ -13,9 +13,11 @@ Draining first sends new requests to replicas that can answer now, at no
 capacity cost (a paused engine serves nothing anyway). Waiting for in-flight
 requests to end before pausing is *not* needed for zero failures — frozen
 requests are preempted by the cache reset and recomputed on the new weights —
-and would keep the replica out as long as the longest generation; it is the
-`drain_wait_s` option, for those who want no response to straddle two
-checkpoints. With no other replica ready nothing is drained: queueing for the
+and would keep the replica out as long as the longest generation. The record
+counts, per replica, the requests in flight when it was paused (`mixed_versions`:
+their responses may straddle two checkpoints); `no_mixed_versions` waits for them
+(`drain_wait_s`, default 600 s) and fails the deploy rather than pause a busy
+replica. With no other replica ready nothing is drained: queueing for the
 reload beats answering 503.
 
 Failure. Any step error stops the rollout after the current batch;
@@ -168,6 +170,10 @@ class Rollout:
         if n > 1 and options.batch >= n:
             raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
                           param="batch")
+        if n < 2 and options.no_mixed_versions and name is None:
+            raise Refused(400, "no_mixed_versions needs a second replica to serve while one "
+                               "drains; a lone replica's requests in flight resume on the new "
+                               "weights", param="no_mixed_versions")
         if self._snapshots is None:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "

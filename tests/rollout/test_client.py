@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import io
 
+import httpx
 import pytest
 
 from dpserve.cli import main
 from dpserve.rollout.client import AdminClient, read_admin_key, run_deploy, run_status, run_watch
 from dpserve.rollout.deployed import weights_for
 from tests.conftest import running_router
+from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.test_rollout import fleet
 
@@ -102,3 +104,20 @@ def test_deploy_needs_a_checkpoint_or_a_directory_to_watch(capsys):
     with pytest.raises(SystemExit):
         main(["deploy"])
     assert "one of the arguments CHECKPOINT_DIR --watch is required" in capsys.readouterr().err
+
+
+async def test_deploy_says_how_many_responses_may_mix_two_versions(fake_replicas, tiny_model,
+                                                                    tmp_path):
+    ckpt_dir = write_variant(tiny_model, tmp_path, 4, tensors=perturbed(0.01, seed=4))
+    out = io.StringIO()
+    async with fleet(fake_replicas, tiny_model, 2, chunks=40, chunk_delay_s=0.05) as f, \
+            AdminClient(f.base) as client, httpx.AsyncClient(base_url=f.base) as c:
+        stream = asyncio.create_task(c.post("/v1/completions", json={
+            "model": MODEL, "prompt": "long", "stream": True}, timeout=30))
+        while sum(r.in_flight for r in f.router.pool) == 0:
+            await asyncio.sleep(0.01)
+        code = await run_deploy(client, ckpt_dir, {}, out)
+        assert (await stream).status_code == 200
+    assert code == 0
+    assert ("up to 1 response(s) in flight at a pause finished on the new weights "
+            "(--no-mixed-versions to avoid)") in out.getvalue()

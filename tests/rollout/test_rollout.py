@@ -295,3 +295,66 @@ async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replic
         fits, _ = write_adapter(Path(f.deployed.current.path), tmp_path)
         monkeypatch.setattr(ckpt, "sha256_file", lambda path: pytest.fail(f"read {path}"))
         f.rollout.check_adapter(str(fits), "assistant", frozenset({MODEL}))
+
+
+async def _stream_in_flight(f, c: httpx.AsyncClient) -> asyncio.Task[httpx.Response]:
+    stream = asyncio.create_task(c.post("/v1/completions", json={
+        "model": MODEL, "prompt": "long", "stream": True}))
+    while sum(r.in_flight for r in f.router.pool) == 0:
+        await asyncio.sleep(0.01)
+    return stream
+
+
+def _whole(resp: httpx.Response, chunks: int) -> bool:
+    return (resp.status_code == 200 and resp.text.count("data: ") == chunks + 1
+            and resp.text.endswith("data: [DONE]\n\n"))
+
+
+async def test_a_request_in_flight_at_a_pause_is_counted_as_mixing_versions(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, chunks=40, chunk_delay_s=0.05) as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        stream = await _stream_in_flight(f, c)
+        busy = next(r.id for r in f.router.pool if r.in_flight)
+        status, record = await deploy(f, checkpoints[0])
+        assert _whole(await stream, 40)
+    assert status == 202 and record["state"] == "succeeded"
+    assert record["mixed_versions"] == 1
+    assert {r["id"]: r["mixed_versions"] for r in record["replicas"]}[busy] == 1
+
+
+async def test_no_mixed_versions_pauses_a_replica_once_its_requests_have_ended(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, chunks=20, chunk_delay_s=0.05) as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        stream = await _stream_in_flight(f, c)
+        status, record = await deploy(f, checkpoints[0], no_mixed_versions=True)
+        assert _whole(await stream, 20)
+    assert status == 202 and record["state"] == "succeeded", record
+    assert record["mixed_versions"] == 0 and record["options"]["no_mixed_versions"] is True
+
+
+async def test_no_mixed_versions_fails_the_deploy_rather_than_pause_a_busy_replica(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 2, chunks=100, chunk_delay_s=0.05) as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        before = f.versions()
+        stream = await _stream_in_flight(f, c)
+        status, record = await deploy(f, checkpoints[0], no_mixed_versions=True,
+                                      drain_wait_s=0.2)
+        assert f.versions() == before and f.states() == ["ready", "ready"]
+        assert _whole(await stream, 100)
+    assert status == 202 and record["state"] in ("rolled_back", "failed"), record
+    assert "1 request(s) still in flight after 0.2 s of draining" in record["error"]
+    assert "raise drain_wait_s" in record["error"] and record["mixed_versions"] == 0
+
+
+async def test_no_mixed_versions_is_refused_for_a_lone_replica_or_a_non_boolean(
+        fake_replicas, tiny_model, checkpoints):
+    async with fleet(fake_replicas, tiny_model, 1) as f:
+        lone, body = await deploy(f, checkpoints[0], no_mixed_versions=True)
+        assert lone == 400 and body["error"]["param"] == "no_mixed_versions"
+        assert "needs a second replica" in body["error"]["message"]
+        bad, body = await deploy(f, checkpoints[0], no_mixed_versions="yes")
+        assert bad == 400 and body["error"]["param"] == "no_mixed_versions"
+        assert f.versions() == [weights_for(str(tiny_model)).version]
