@@ -26,6 +26,8 @@ from multidict import CIMultiDict
 from loadtest.fakes import start_app
 
 MODEL = "fake-model"
+FINGERPRINT = "vllm-0.32.0-fake"
+"""What vLLM writes in `system_fingerprint` (its version and a config hash)."""
 
 
 def fake_engine_metrics(running: int, served: int) -> str:
@@ -221,7 +223,7 @@ class FakeReplica:
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                "choices": [self._completion_choice(body)],
+                "choices": [self._completion_choice(body)], "system_fingerprint": FINGERPRINT,
             })
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
@@ -231,7 +233,8 @@ class FakeReplica:
                 if self.mode == "hang" and i == 1:
                     await asyncio.sleep(3600)
                 await self._unpaused.wait()
-                chunk = {"choices": [{"index": 0, "text": f"t{i}"}]}
+                chunk = {"choices": [{"index": 0, "text": f"t{i}"}],
+                         "system_fingerprint": FINGERPRINT}
                 if self.mode == "cut" and i == 2:
                     assert request.transport is not None
                     await resp.write(f"data: {json.dumps(chunk)}"[:20].encode())

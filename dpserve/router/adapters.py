@@ -197,10 +197,21 @@ def rename_model(data: bytes, version: AdapterVersion, client_name: str) -> byte
     vLLM writes compact JSON, and an adapter name is plain (letters, digits, `._-@`),
     so the field is exactly these bytes; the same bytes inside generated text would be
     escaped (`\\"model\\"`), so nothing else matches. Likewise for the fingerprint, a
-    string without quotes or backslashes, or null."""
+    string without quotes or backslashes, or null (`with_fingerprint`)."""
     renamed = data.replace(b'"model":"%s"' % version.engine_name.encode(),
                            b'"model":"%s"' % client_name.encode())
-    return _FINGERPRINT.sub(b'"system_fingerprint":"%s"' % version.version.encode(), renamed)
+    return with_fingerprint(renamed, version.version)
 
 
-_FINGERPRINT = re.compile(rb'"system_fingerprint":(?:"[^"\\]*"|null)')
+def with_fingerprint(data: bytes, version: str) -> bytes:
+    """Give the `system_fingerprint` of a response or SSE chunk (a string or null, where
+    it has one) the version of the weights that answer: base weights or an adapter."""
+    if b'"system_fingerprint"' not in data:
+        return data
+    field = b'"system_fingerprint":' + json.dumps(version).encode()
+    return _FINGERPRINT.sub(lambda _: field, data)
+
+
+_FINGERPRINT = re.compile(rb'"system_fingerprint"[ ]?:[ ]?(?:"[^"\\]*"|null)')
+"""The field as vLLM writes it (compact JSON) or as `json.dumps` does (a space after the
+colon). Inside generated text the quotes are escaped (`\\"`), so it cannot match there."""

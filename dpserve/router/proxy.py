@@ -39,6 +39,7 @@ from dpserve.router.adapters import (
     list_models,
     rename_model,
     rewrite_model,
+    with_fingerprint,
 )
 from dpserve.router.asgi import (
     DisconnectWatch,
@@ -296,8 +297,9 @@ class ProxyEndpoint:
             if self._retry(slot, stream, last, resp.status):
                 return f"answered {resp.status}"
             out_headers = downstream_headers(resp, ex.request_id, replica, ex.adapter)
+            version = replica.weight_version  # what the header says answers
             if stream and resp.content_type == "text/event-stream":
-                return await self._pass_stream(ex, resp, slot, out_headers)
+                return await self._pass_stream(ex, resp, slot, out_headers, version)
             cap = self._config.max_response_bytes
             try:
                 if resp.complete:  # small responses arrive with their head
@@ -315,10 +317,10 @@ class ProxyEndpoint:
                     return f"connection dropped mid-response ({type(exc).__name__})"
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
-            if ex.adapter is not None:
-                payload = rename_model(payload, ex.adapter, ex.client_model)
-            elif self._lists_models and resp.status == 200:
+            if self._lists_models and resp.status == 200 and ex.adapter is None:
                 payload = list_models(payload, self._adapters)
+            else:
+                payload = _versioned(payload, ex, version)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             self._first_byte.observe(time.perf_counter() - ex.start)
             await ex.replied.start(resp.status, out_headers)
@@ -329,7 +331,7 @@ class ProxyEndpoint:
 
     async def _pass_stream(
         self, ex: Exchange, resp: UpstreamResponse, slot: Slot,
-        headers: list[tuple[bytes, bytes]],
+        headers: list[tuple[bytes, bytes]], version: str | None,
     ) -> int | str:
         """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
         replica = slot.replica
@@ -353,9 +355,7 @@ class ProxyEndpoint:
         try:
             while chunk:
                 if whole := events.feed(chunk):
-                    if ex.adapter is not None:
-                        whole = rename_model(whole, ex.adapter, ex.client_model)
-                    await replied.body(whole, more=True)
+                    await replied.body(_versioned(whole, ex, version), more=True)
                 events.check()
                 async with asyncio.timeout(idle):
                     chunk = await reader.readany()
@@ -370,8 +370,13 @@ class ProxyEndpoint:
             self._metrics.stream_errors.labels(self.route, replica.id).inc()
             await replied.body(sse_error_event(502, f"stream interrupted: {reason}"), more=False)
             return resp.status
-        rest = events.rest()
-        if ex.adapter is not None:
-            rest = rename_model(rest, ex.adapter, ex.client_model)
-        await replied.body(rest, more=False)
+        await replied.body(_versioned(events.rest(), ex, version), more=False)
         return resp.status
+
+
+def _versioned(data: bytes, ex: Exchange, version: str | None) -> bytes:
+    """An answer (or SSE chunk) as the client gets it: on an adapter, renamed to the
+    model the client asked for; its `system_fingerprint` names the weights' version."""
+    if ex.adapter is not None:
+        return rename_model(data, ex.adapter, ex.client_model)
+    return with_fingerprint(data, version) if version is not None else data

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from dpserve.rollout.deployed import weights_for
 from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
 from tests.procs import processes_in_group
 from tests.waiting import wait_for_sync
@@ -25,14 +26,18 @@ def client(d: Deployment) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_completion_through_the_openai_client(deployment):
-    c = client(deployment).completions.create(
+def test_completion_through_the_openai_client(deployment, tiny_model):
+    raw = client(deployment).completions.with_raw_response.create(
         model=MODEL_NAME, prompt="The river ran", max_tokens=8, temperature=0,
         extra_body={"ignore_eos": True},
     )
+    c = raw.parse()
     assert c.model == MODEL_NAME
     assert c.usage.completion_tokens == 8
     assert c.choices[0].text
+    # the weights that answered, in the header and where the answer has a field for it
+    version = weights_for(str(tiny_model)).version
+    assert c.system_fingerprint == raw.headers["x-dpserve-weight-version"] == version
 
 
 def test_greedy_completions_agree_across_replicas(deployment):

@@ -12,6 +12,7 @@ from dpserve.router.adapters import (
     list_models,
     rename_model,
     rewrite_model,
+    with_fingerprint,
 )
 from dpserve.router.errors import RouterError
 
@@ -129,6 +130,23 @@ def test_text_that_spells_the_fingerprint_field_is_left_alone(text):
     body = json.dumps({"model": "support@v2", "choices": [{"text": spelled}]},
                       ensure_ascii=False, separators=(",", ":")).encode()
     assert json.loads(rename_model(body, V2, "support"))["choices"][0]["text"] == spelled
+
+
+@given(version=st.text(max_size=40), text=st.text(max_size=60),
+       separators=st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_any_version_becomes_the_fingerprint_of_base_answers_as_valid_json(version, text,
+                                                                           separators):
+    """vLLM writes compact JSON; other servers put a space after the colon."""
+    body = json.dumps({"model": "base", "choices": [{"text": text}],
+                       "system_fingerprint": "vllm-0.32.0-ab"},
+                      ensure_ascii=False, separators=separators).encode()
+    assert json.loads(with_fingerprint(body, version)) == {
+        "model": "base", "choices": [{"text": text}], "system_fingerprint": version}
+
+
+def test_an_answer_without_a_fingerprint_is_passed_as_is():
+    for body in (b'{"tokens":[1,2,3]}', b"data: [DONE]\n\n", b""):
+        assert with_fingerprint(body, "step-000001@ab") is body
 
 
 def test_the_model_list_is_the_routers_whichever_replica_answered():

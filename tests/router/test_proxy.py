@@ -10,7 +10,7 @@ import pytest
 
 from dpserve.router.pool import ReplicaState
 from tests.conftest import running_router
-from tests.fakes import MODEL
+from tests.fakes import FINGERPRINT, MODEL
 from tests.replicas.test_launcher import closed_port_url
 from tests.waiting import wait_for
 
@@ -289,16 +289,23 @@ async def test_a_stream_idle_past_the_limit_ends_with_an_error_event(fake_replic
     assert lines[-1] == "data: [DONE]"
 
 
-async def test_the_weight_version_of_the_serving_replica_is_named_in_a_header(fake_replicas):
+async def test_the_weight_version_of_the_serving_replica_is_named_in_every_answer(
+        fake_replicas):
     a = await fake_replicas("a")
     async with running_router([a.url]) as (base, router), httpx.AsyncClient() as c:
         before = await c.post(base + "/v1/completions", json=BODY)
-        router.pool.get("r0").weight_version = "step-000120"
+        router.pool.get("r0").weight_version = "step-000120@ab12"
         after = await c.post(base + "/v1/completions", json=BODY)
         streamed = await c.post(base + "/v1/completions", json={**BODY, "stream": True})
     assert "x-dpserve-weight-version" not in before.headers
-    assert after.headers["x-dpserve-weight-version"] == "step-000120"
-    assert streamed.headers["x-dpserve-weight-version"] == "step-000120"
+    assert before.json()["system_fingerprint"] == FINGERPRINT  # the engine's, untouched
+    assert after.headers["x-dpserve-weight-version"] == "step-000120@ab12"
+    assert after.json()["system_fingerprint"] == "step-000120@ab12"
+    assert streamed.headers["x-dpserve-weight-version"] == "step-000120@ab12"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks and {c["system_fingerprint"] for c in chunks} == {"step-000120@ab12"}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "t0t1t2t3"
 
 
 async def test_the_router_keeps_serving_after_a_barrage_of_bad_requests(fake_replicas):
