@@ -169,6 +169,20 @@ def _add_deploy(sub: Subparsers) -> None:
                              "(they were trained on the weights replaced)")
     deploy.add_argument("--drain-wait-s", type=float,
                         help="let in-flight requests finish (up to S s) before pausing")
+    gate = deploy.add_argument_group("quality gate (the first replica updated is scored "
+                                     "out of rotation before any other is)")
+    gate.add_argument("--eval", metavar="FILE.jsonl",
+                      help="eval set in fine-tuning format (a fine-tune's --eval-data), "
+                           "inside the checkpoint root; scores go in the deploy record")
+    gate.add_argument("--gate-metric", choices=("exact_match", "mean_logprob"),
+                      help="what the gate compares (default exact_match; mean_logprob: "
+                           "mean log-probability per token of the expected answers)")
+    gate.add_argument("--gate-min-score", type=float,
+                      help="roll back unless the new version scores at least this")
+    gate.add_argument("--gate-vs-current", action="store_true", default=None,
+                      help="roll back if the new version scores below the current one by "
+                           "more than --gate-margin")
+    gate.add_argument("--gate-margin", type=float, help="for --gate-vs-current (default 0)")
     deploy.add_argument("--no-mixed-versions", action="store_true", default=None,
                         help="no response may begin on the old weights and end on the new: "
                              "pause each replica only once its requests have ended "

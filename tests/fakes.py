@@ -80,6 +80,12 @@ class FakeReplica:
     """Dev endpoint calls in order, as `path?query`."""
     reload_gate: asyncio.Event | None = None
     """If set, a `reload_weights` call waits for it (a slow reload, held on cue)."""
+    skill: dict[str | None, tuple[dict[str, str], float]] = field(default_factory=dict)
+    """For a deploy's eval set, by the weights loaded (None: those it started with; else
+    a part of their path, e.g. `step-000001`):
+    (prompt text -> its greedy answer, the log-probability of every prompt token). The
+    fake's tokenizer is one token per character (`ord`); a chat renders its messages'
+    contents joined by newlines. An unknown prompt is answered `?`."""
     seen: list[str] = field(default_factory=list)
     """Every request that reached the replica, as `METHOD path?query`, health checks
     and scrapes left out: what a smuggled request would show up in."""
@@ -200,8 +206,29 @@ class FakeReplica:
                        "logprobs": {"token_logprobs": [-1.5] * n, "tokens": ["x"] * n}}
         return choice
 
+    def _eval_answer(self, request: web.Request, body: dict) -> web.Response | None:
+        """`/tokenize`, and completions of token ids (what an eval set sends)."""
+        answers, logprob = next((v for k, v in self.skill.items() if k == self.weights or (
+            k is not None and self.weights is not None and k in self.weights)), ({}, -1.0))
+        if request.path == "/tokenize":
+            text = ("\n".join(m["content"] for m in body["messages"]) if "messages" in body
+                    else body["prompt"])
+            return web.json_response({"count": len(text), "tokens": [ord(c) for c in text]})
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and prompt):
+            return None
+        text = "".join(map(chr, prompt))
+        choice: dict = {"index": 0, "text": answers.get(text, "?"), "finish_reason": "stop"}
+        if body.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = [None, *({str(t): {"logprob": logprob}}
+                                                 for t in prompt[1:])]
+        return web.json_response({"object": "text_completion", "model": MODEL,
+                                  "choices": [choice]})
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if (answer := self._eval_answer(request, body)) is not None:
+            return answer
         self.requests.append(body)
         self.headers_seen.append(request.headers.copy())  # case-insensitive
         await self._unpaused.wait()  # like pause(mode=keep): held, not failed

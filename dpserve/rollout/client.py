@@ -139,6 +139,8 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
         await asyncio.sleep(POLL_S)
         record = await client.deploy(record["id"])
     took = time.monotonic() - started
+    if record.get("quality"):
+        print("  " + _quality_line(record["quality"]), file=out, flush=True)
     if record["state"] == "succeeded":
         mixed = record.get("mixed_versions") or 0
         print(f"succeeded in {took:.1f} s: {record['version']} is deployed"
@@ -150,6 +152,17 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
     if record["state"] == "rolled_back":
         print(f"  the replicas serve {record['previous_version']} again", file=out, flush=True)
     return 1
+
+
+def _quality_line(q: dict[str, Any]) -> str:
+    metric = q["metric"]
+    line = "eval " + " · ".join(
+        f"{who} {q[who][metric]:.4g} {metric} ({q[who]['exact_match']:.0%} exact, "
+        f"mean log-prob {q[who]['mean_logprob']:.3f}, {q[who]['examples']} examples)"
+        for who in ("candidate", "current") if q.get(who))
+    if "passed" in q:
+        line += "; gate " + ("passed" if q["passed"] else "failed")
+    return line
 
 
 def _replica_line(r: dict[str, Any]) -> str:
@@ -238,6 +251,8 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
     client = AdminClient(ns.router or DEFAULT_ROUTER, key)
     watched = Path(os.path.abspath(ns.watch)) if getattr(ns, "watch", None) else None
     checkpoint = Path(os.path.abspath(ns.checkpoint)) if getattr(ns, "checkpoint", None) else None
+    # the router reads it: absolute
+    eval_data = os.path.abspath(ns.eval) if getattr(ns, "eval", None) else None
 
     async def main() -> int:
         async with client:
@@ -245,8 +260,11 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
                 return await run_status(client, out)
             options = {name: getattr(ns, name) for name in
                        ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters",
-                        "no_mixed_versions")
+                        "no_mixed_versions", "gate_metric", "gate_min_score",
+                        "gate_vs_current", "gate_margin")
                        if getattr(ns, name, None) is not None}
+            if eval_data is not None:
+                options["eval_data"] = eval_data
             if watched is not None:
                 return await run_watch(client, watched, options, out,
                                        interval_s=ns.interval_s, max_deploys=ns.max_deploys,

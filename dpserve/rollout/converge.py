@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+from dpserve.rollout import quality
 from dpserve.rollout.deployed import Weights
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase
@@ -24,6 +25,7 @@ from dpserve.router.adapters import VERSION_SEP
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 if TYPE_CHECKING:
+    from dpserve.rollout.quality import Gate
     from dpserve.router.metrics import RouterMetrics
 
 _POLL_S = 0.05
@@ -60,8 +62,11 @@ class Convergence:
     def __init__(self, pool: ReplicaPool, progress: DeployProgress, options: DeployOptions,
                  client: httpx.AsyncClient, *, restarter: Restarter | None,
                  metrics: RouterMetrics | None, reload_timeout_s: float,
-                 hot_loading: set[str], lock_lost: Callable[[], str | None]) -> None:
+                 hot_loading: set[str], lock_lost: Callable[[], str | None],
+                 gate: Gate | None = None) -> None:
         self.pool = pool
+        self._gate = gate
+        """Scored on the first replica updated, before it re-enters rotation."""
         self.progress = progress
         self.options = options
         self.client = client
@@ -81,10 +86,14 @@ class Convergence:
     async def forward(self, target: Weights) -> str | None:
         """Converge batch after batch; the first error message, or None."""
         replicas = list(self.pool)
-        for i in range(0, len(replicas), self.options.batch):
+        # With a quality gate, the first replica goes alone: none of the new version
+        # serves before the gate passed.
+        first = 1 if self._gate is not None else self.options.batch
+        starts = [0, *range(first, len(replicas), self.options.batch)]
+        for i, end in zip(starts, [*starts[1:], len(replicas)], strict=True):
             if self._lock_lost() is not None:
                 return f"the deploy lock was lost ({self._lock_lost()}); stopped"
-            group = replicas[i:i + self.options.batch]
+            group = replicas[i:end]
             ids = {r.id for r in group}
             results = await asyncio.gather(
                 *(self._converge(r, target, ids, rollback=False) for r in group),
@@ -216,12 +225,44 @@ class Convergence:
         await _timed(steps, "resume", admin.resume())
         rp.phase = Phase.CANARY
         await _timed(steps, "canary", admin.canary(model, self.options.canary_prompt))
+        if self._gate is not None and not rollback:
+            gate, self._gate = self._gate, None  # once, on the first replica updated
+            await _timed(steps, "eval", self._evaluate(gate, replica, model))
         await _timed(steps, "update_weight_version", admin.set_weight_version(weights.version))
         replica.weight_version = weights.version
         if replica.state is not ReplicaState.READY:
             self.pool.set_state(replica, ReplicaState.DRAINING if admin_drained
                                  else ReplicaState.READY, f"{reason}: serving {weights.version}")
         rp.version, rp.seconds = weights.version, round(time.monotonic() - started, 3)
+
+    async def _evaluate(self, gate: Gate, replica: Replica, model: str) -> None:
+        """Score the eval set on `replica` (updated, out of rotation) and, for the
+        comparison, on a replica still serving the current version; EngineAdminError
+        ("gate") if the gate fails. The scores go in the record either way."""
+        record: dict[str, object] = {"eval_data": gate.eval_data, "metric": gate.metric}
+        self.progress.quality = record
+        candidate = await quality.score(self.client, replica.url, model, gate.cases)
+        record["candidate"] = candidate.to_json()
+        current = None
+        if gate.vs_current:
+            on_current = [r for r in self.pool.ready()
+                          if r.weight_version == self.progress.previous_version]
+            if not on_current:
+                raise EngineAdminError("gate", "no ready replica serves the current version "
+                                               "to compare the new one with")
+            current = await quality.score(self.client, on_current[0].url,
+                                          canary_model(on_current[0]), gate.cases)
+            record["current"] = current.to_json()
+        reason = gate.verdict(candidate, current) if gate.gates else None
+        if gate.gates:
+            record["passed"] = reason is None
+        self.progress.event(f"{replica.id}: eval {candidate.describe(gate.metric)}"
+                            + (f", current {current.describe(gate.metric)}" if current else "")
+                            + ("" if not gate.gates else ": passed" if reason is None
+                               else ": failed"))
+        if reason is not None:
+            record["reason"] = reason
+            raise EngineAdminError("gate", reason)
 
     async def _recover(self, replica: Replica, weights: Weights, why: str, *,
                        since: int | None = None) -> None:

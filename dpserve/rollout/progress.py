@@ -27,11 +27,13 @@ DEFAULT_CANARY_PROMPT = "The quick brown fox"
 MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
+GATE_METRICS = ("exact_match", "mean_logprob")
 NO_MIXED_DRAIN_S = 600.0
 """`no_mixed_versions` without `drain_wait_s`: how long a drained replica's requests
 may take to finish before the deploy gives up on it."""
 DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
-                 "name", "drop_adapters", "no_mixed_versions")
+                 "name", "drop_adapters", "no_mixed_versions", "eval_data", "gate_metric",
+                 "gate_min_score", "gate_vs_current", "gate_margin")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -53,6 +55,17 @@ class DeployOptions:
     """Pause a replica only once its requests have ended (`drain_wait_s`, or
     NO_MIXED_DRAIN_S, at most), so that no response begins on the old weights and ends
     on the new; a replica still busy by then fails the deploy (rolled back)."""
+
+    eval_data: str | None = None
+    """An eval file (fine-tuning JSONL) scored on the first updated replica, out of
+    rotation, and on one still on the current version (`rollout.quality`)."""
+    gate_metric: str = "exact_match"
+    gate_min_score: float | None = None
+    """Roll back unless the new version scores at least this (the gate's metric)."""
+    gate_vs_current: bool = False
+    """Roll back if the new version scores below the current one by more than
+    `gate_margin`."""
+    gate_margin: float = 0.0
 
     @property
     def drain_deadline_s(self) -> float:
@@ -83,12 +96,36 @@ class DeployOptions:
                 raise Refused(400, "canary_prompt must be a non-empty string of at most "
                                    "4096 characters", param="canary_prompt")
             values["canary_prompt"] = prompt
-        for flag in ("drop_adapters", "no_mixed_versions"):
+        for flag in ("drop_adapters", "no_mixed_versions", "gate_vs_current"):
             value = body.get(flag)
             if value is not None:
                 if not isinstance(value, bool):
                     raise Refused(400, f"{flag} must be true or false", param=flag)
                 values[flag] = value
+        for name, low, high in (("gate_min_score", -1e6, 1e6), ("gate_margin", 0.0, 1e6)):
+            value = body.get(name)
+            if value is not None:
+                if (isinstance(value, bool) or not isinstance(value, int | float)
+                        or not math.isfinite(value) or not low <= value <= high):
+                    raise Refused(400, f"{name} must be a finite number in {low:g}..{high:g}, "
+                                       f"got {value!r}", param=name)
+                values[name] = float(value)
+        metric = body.get("gate_metric")
+        if metric is not None:
+            if metric not in GATE_METRICS:
+                raise Refused(400, f"gate_metric must be one of {', '.join(GATE_METRICS)}",
+                              param="gate_metric")
+            values["gate_metric"] = metric
+        path = body.get("eval_data")
+        if path is not None:
+            if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096:
+                raise Refused(400, "eval_data must be an absolute path", param="eval_data")
+            values["eval_data"] = path
+        gating = ("gate_min_score" in values or values.get("gate_vs_current")
+                  or "gate_margin" in values or "gate_metric" in values)
+        if gating and "eval_data" not in values:
+            raise Refused(400, "the quality gate needs an eval set: give eval_data (--eval)",
+                          param="eval_data")
         return cls(**values)
 
 
@@ -155,6 +192,8 @@ class DeployProgress:
     adapter: str | None = None
     """The adapter name a LoRA deploy serves the checkpoint as (None: full weights)."""
     error: str | None = None
+    quality: dict[str, Any] | None = None
+    """The eval set's scores (`--eval`): candidate, current, passed, reason."""
     replicas: list[ReplicaProgress] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
@@ -192,5 +231,5 @@ class DeployProgress:
             "options": self.options, "started_at": self.started_at,
             "finished_at": self.finished_at,
             "replicas": [r.to_json() for r in self.replicas], "events": list(self.events),
-            "mixed_versions": sum(r.mixed for r in self.replicas),
+            "mixed_versions": sum(r.mixed for r in self.replicas), "quality": self.quality,
         }

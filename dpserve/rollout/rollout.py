@@ -53,6 +53,7 @@ import httpx
 
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
 from dpserve.httpclient import open_client
+from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
@@ -178,6 +179,9 @@ class Rollout:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "
                                "--snapshot-dir DIR on storage every engine can read")
+        gate = None if name is not None else await asyncio.to_thread(
+            quality.gate_for, options, replicas=n,
+            root=self._checkpoint_root or Path(self._deployed.base.path).parent)
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         if self._lock is not None:
             try:
@@ -226,7 +230,7 @@ class Rollout:
                 for version in self.adapters.withdraw_all():
                     progress.event(f"adapter {version.name} no longer served (was "
                                    f"{version.version}); unloaded once its requests end")
-            work = self._deploy(progress, target, options, renewing)
+            work = self._deploy(progress, target, options, renewing, gate)
         self._task = asyncio.create_task(work, name=f"dpserve-deploy-{progress.id}")
         return progress
 
@@ -314,7 +318,8 @@ class Rollout:
             await asyncio.to_thread(self._prune_snapshots)
 
     async def _deploy(self, progress: DeployProgress, target: Weights,
-                   options: DeployOptions, renewing: asyncio.Task[None] | None) -> None:
+                   options: DeployOptions, renewing: asyncio.Task[None] | None,
+                   gate: quality.Gate | None) -> None:
         assert self._deployed is not None
         previous = self._deployed.current
         self._deployed.current = target  # replicas (re)started from now on load the target
@@ -325,7 +330,8 @@ class Rollout:
                 convergence = Convergence(
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
-                    hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost)
+                    hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost,
+                    gate=gate)
                 error = await convergence.forward(target)
                 if error is None:
                     if self.deployed_link is not None:

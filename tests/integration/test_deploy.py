@@ -6,7 +6,7 @@ each leaves both replicas ready:
 
 0. each replica answered the router's warm-up request before entering rotation;
 1. refused checkpoints (bad sha256, other shapes, other vocabulary, no
-   dpserve.json, NaN) change nothing;
+   dpserve.json, NaN) change nothing; one under the quality gate is rolled back;
 2. `dpserve deploy` under continuous mixed load fails and aborts no request, and
    afterwards both replicas answer as the checkpoint does in transformers, for
    prompts whose prefix was cached before the deploy too;
@@ -37,6 +37,7 @@ import httpx
 import pytest
 import torch
 
+from dpserve import demo_data
 from dpserve.demo import wait_ready
 from dpserve.rollout.deployed import weights_for
 from tests.finetune_helpers import trained, write_train_data
@@ -326,6 +327,27 @@ def test_refused_checkpoints_change_nothing(fleet: Fleet):
         info = httpx.get(replica["url"] + "/weight_info", timeout=10).json()
         assert info["weight_version"] == f.base_version
     assert httpx.get(f.d.base_url + "/admin/deploy").json()["state"] == "refused"
+
+
+def test_a_checkpoint_below_the_quality_gate_is_rolled_back_with_both_scores(fleet: Fleet):
+    """Scored by the engines themselves on the demo's held-out questions: the 3-step
+    fine-tune answers none of them, so a 50% minimum rolls it back."""
+    f = fleet
+    eval_file = f.work / "heldout.jsonl"
+    shutil.copyfile(demo_data.path(demo_data.HELDOUT_FILE), eval_file)
+    r = start_deploy(f, f.finetuned, eval_data=str(eval_file), gate_min_score=0.5,
+                     gate_vs_current=True)
+    assert r.status_code == 202, r.text
+    record = wait_for_sync(lambda: (rec := deploy_record(f, r.json()["id"]))["done"] and rec,
+                           "the gated deploy to end", within_s=300)
+    assert record["state"] == "rolled_back", record
+    quality = record["quality"]
+    for who in ("candidate", "current"):
+        assert quality[who]["examples"] == 45 and quality[who]["exact_match"] < 0.5
+        assert -30 < quality[who]["mean_logprob"] < 0
+    assert quality["passed"] is False and "below the minimum 0.5" in record["error"]
+    wait_for_sync(f.all_ready, "both replicas back in rotation", within_s=120)
+    assert f.versions() == [f.base_version] * 2
 
 
 def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fleet: Fleet):

@@ -1,0 +1,211 @@
+"""A deploy's quality gate: an eval set scored on one replica, through the engine's own
+tokenizer and sampler (`dpserve deploy CKPT --eval FILE.jsonl`).
+
+The eval file is fine-tuning data (`dpserve.records`: prompt/completion or
+messages; a fine-tune's `--eval-data` works as is). Per example, the expected answer is
+the completion, or the last assistant message with the conversation before it as the
+prompt (rendered by the engine's chat template, `POST /tokenize` with `messages`):
+
+- **exact_match**: the greedy answer (`temperature` 0, at most the expected answer's
+  length + `SLACK_TOKENS` tokens), stripped, equals the expected one, stripped;
+- **mean_logprob**: the mean log-probability per token of the expected answer after
+  the prompt (`prompt_logprobs`), so that free text, where exact match says little,
+  is still scored.
+
+The score of a set is the mean over its examples. A gate passes when the candidate's
+score in the gate's metric is at least `min_score`, and (`vs_current`) at least the
+current version's minus `margin`. Every call goes to one engine directly (control
+plane), a few at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dpserve.records import DataError, read_records
+from dpserve.rollout.engine_admin import EngineAdminError
+from dpserve.rollout.progress import GATE_METRICS as METRICS
+from dpserve.rollout.progress import DeployOptions
+from dpserve.rollout.validate import Refused
+
+__all__ = ["METRICS", "EvalCase", "Gate", "Score", "gate_for", "load_eval", "score"]
+
+MAX_EXAMPLES = 2_000
+"""An eval set runs on a replica out of rotation: bounded work."""
+SLACK_TOKENS = 4
+CONCURRENCY = 4
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class EvalCase:
+    where: str
+    """`FILE:LINE`, for messages."""
+    expected: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    """The conversation before the expected assistant turn (chat examples)."""
+
+
+def load_eval(path: Path) -> list[EvalCase]:
+    """The examples of an eval file; DataError naming `FILE:LINE` for a bad one."""
+    records = read_records(path)
+    if len(records) > MAX_EXAMPLES:
+        raise DataError(f"{path}: {len(records)} examples; an eval set may hold at most "
+                        f"{MAX_EXAMPLES}")
+    cases = []
+    for number, record in records:
+        where = f"{path}:{number}"
+        if "messages" in record:
+            messages = record["messages"]
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            cases.append(EvalCase(where, messages[last]["content"],
+                                  messages=[{"role": m["role"], "content": m["content"]}
+                                            for m in messages[:last]]))
+        else:
+            cases.append(EvalCase(where, record["completion"], prompt=record["prompt"]))
+    return cases
+
+
+@dataclass(frozen=True)
+class Score:
+    exact_match: float
+    mean_logprob: float
+    examples: int
+
+    def metric(self, name: str) -> float:
+        return self.exact_match if name == "exact_match" else self.mean_logprob
+
+    def to_json(self) -> dict[str, Any]:
+        return {"exact_match": round(self.exact_match, 4),
+                "mean_logprob": round(self.mean_logprob, 4), "examples": self.examples}
+
+    def describe(self, metric: str) -> str:
+        return f"{metric} {self.metric(metric):.4g} over {self.examples} examples"
+
+
+@dataclass(frozen=True)
+class Gate:
+    eval_data: str
+    cases: list[EvalCase]
+    metric: str = "exact_match"
+    min_score: float | None = None
+    vs_current: bool = False
+    margin: float = 0.0
+
+    @property
+    def gates(self) -> bool:
+        """Whether a score can stop the deploy (else the scores are only recorded)."""
+        return self.min_score is not None or self.vs_current
+
+    def verdict(self, candidate: Score, current: Score | None) -> str | None:
+        """Why the candidate fails the gate, or None."""
+        got = candidate.metric(self.metric)
+        if self.min_score is not None and got < self.min_score:
+            return (f"quality gate: {candidate.describe(self.metric)}, below the minimum "
+                    f"{self.min_score:g}")
+        if self.vs_current and current is not None:
+            floor = current.metric(self.metric) - self.margin
+            if got < floor:
+                return (f"quality gate: {candidate.describe(self.metric)} against "
+                        f"{current.metric(self.metric):.4g} for the current version, more "
+                        f"than the margin {self.margin:g} below it")
+        return None
+
+
+async def score(client: httpx.AsyncClient, url: str, model: str,
+                cases: list[EvalCase]) -> Score:
+    """Score `cases` on the engine at `url` serving `model`. EngineAdminError("eval", ...)
+    on an engine error."""
+    slots = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(case: EvalCase) -> tuple[bool, float]:
+        async with slots:
+            return await _score_case(client, url.rstrip("/"), model, case)
+
+    results = await asyncio.gather(*(one(c) for c in cases))
+    return Score(exact_match=sum(ok for ok, _ in results) / len(results),
+                 mean_logprob=sum(lp for _, lp in results) / len(results),
+                 examples=len(results))
+
+
+async def _score_case(client: httpx.AsyncClient, url: str, model: str,
+                      case: EvalCase) -> tuple[bool, float]:
+    if case.messages is not None:
+        prompt = await _tokens(client, url, {"model": model, "messages": case.messages,
+                                             "add_generation_prompt": True})
+    else:
+        prompt = await _tokens(client, url, {"model": model, "prompt": case.prompt})
+    expected = await _tokens(client, url, {"model": model, "prompt": case.expected,
+                                           "add_special_tokens": False})
+    greedy = await _post(client, url + "/v1/completions", {
+        "model": model, "prompt": prompt, "temperature": 0,
+        "max_tokens": len(expected) + SLACK_TOKENS})
+    scored = await _post(client, url + "/v1/completions", {
+        "model": model, "prompt": prompt + expected, "max_tokens": 1, "temperature": 0,
+        "prompt_logprobs": 0})
+    try:
+        text = greedy["choices"][0]["text"]
+        entries = scored["choices"][0]["prompt_logprobs"][len(prompt):]
+        logprobs = [float(entry[str(token)]["logprob"])
+                    for entry, token in zip(entries, expected, strict=True)]
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise EngineAdminError("eval", f"{case.where}: unexpected answer from the engine") \
+            from None
+    if not logprobs or not all(math.isfinite(lp) for lp in logprobs):
+        raise EngineAdminError("eval", f"{case.where}: non-finite log-probabilities",
+                               non_finite=bool(logprobs))
+    return text.strip() == case.expected.strip(), sum(logprobs) / len(logprobs)
+
+
+async def _tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
+    answer = await _post(client, url + "/tokenize", body)
+    tokens = answer.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise EngineAdminError("eval", f"/tokenize answered {str(answer)[:200]}")
+    return tokens
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        resp = await client.post(url, json=body, timeout=TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise EngineAdminError("eval", f"{type(exc).__name__} from {url}") from None
+    try:
+        answer = resp.json()
+    except ValueError:
+        answer = None
+    if resp.status_code != 200 or not isinstance(answer, dict):
+        raise EngineAdminError("eval", f"HTTP {resp.status_code} from {url}: {resp.text[:200]}")
+    return answer
+
+
+def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | None:
+    """The gate a deploy's options ask for (None: no eval set), its eval file read and
+    checked; Refused (nothing changed) for a file outside `root` (403), a malformed one
+    (422, naming `FILE:LINE`) or a fleet of one replica (400)."""
+    if options.eval_data is None:
+        return None
+    if replicas < 2:
+        raise Refused(400, "the eval set runs on the first updated replica out of rotation, "
+                           "while another serves and, for gate_vs_current, keeps the current "
+                           "version to compare with: a single replica cannot do either",
+                      param="eval_data")
+    path = Path(options.eval_data)
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise Refused(403, f"{path} is not inside the checkpoint root {root} (set "
+                           "--checkpoint-root to read eval sets from elsewhere)",
+                      param="eval_data")
+    try:
+        cases = load_eval(path)
+    except DataError as exc:
+        raise Refused(422, f"eval set: {exc}", param="eval_data") from None
+    return Gate(eval_data=str(path), cases=cases, metric=options.gate_metric,
+                min_score=options.gate_min_score, vs_current=options.gate_vs_current,
+                margin=options.gate_margin)

@@ -1,0 +1,123 @@
+"""A deploy's quality gate (`--eval`, `rollout.quality`) against FakeReplicas that answer
+an eval set as scripted per weights (tests/fakes.py `skill`); scoring on a real engine
+is in tests/integration/test_deploy.py."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dpserve.rollout.deployed import weights_for
+from tests.rollout.checkpoints import perturbed, write_variant
+from tests.rollout.fleet import deploy, fleet
+
+QUESTIONS = {"2+2=": "4", "3+3=": "6"}
+ALL_RIGHT = (dict(QUESTIONS), -0.1)
+HALF_RIGHT = ({"2+2=": "4"}, -0.5)
+NONE_RIGHT = ({}, -3.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_variant(tiny_model, tmp_path_factory.mktemp("ckpts"), 1,
+                         tensors=perturbed(0.01, seed=1))
+
+
+@pytest.fixture
+def eval_file():
+    """Inside the fleet's checkpoint root (the temp directory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "eval.jsonl"
+        path.write_text("".join(json.dumps({"prompt": q, "completion": a}) + "\n"
+                                for q, a in QUESTIONS.items()))
+        yield path
+
+
+async def gated(fake_replicas, tiny_model, checkpoint, *, base, new, replicas=2, **options):
+    async with fleet(fake_replicas, tiny_model, replicas) as f:
+        for fake in f.fakes:
+            fake.skill = {None: base, "step-000001": new}
+        status, record = await deploy(f, checkpoint, **options)
+        return status, record, f.versions()
+
+
+async def test_a_version_below_the_minimum_score_is_rolled_back_with_its_scores(
+        fake_replicas, tiny_model, checkpoint, eval_file):
+    status, record, versions = await gated(
+        fake_replicas, tiny_model, checkpoint, base=ALL_RIGHT, new=NONE_RIGHT,
+        eval_data=str(eval_file), gate_min_score=0.5)
+    assert status == 202 and record["state"] == "rolled_back", record
+    quality = record["quality"]
+    assert quality["candidate"] == {"exact_match": 0.0, "mean_logprob": -3.0, "examples": 2}
+    assert quality["passed"] is False and "below the minimum 0.5" in quality["reason"]
+    assert "quality gate: exact_match 0 over 2 examples" in record["error"]
+    assert versions == [weights_for(str(tiny_model)).version] * 2
+    assert record["replicas"][1]["phase"] == "pending"  # the others were never touched
+
+
+@pytest.mark.parametrize(("margin", "state"), [(0.0, "rolled_back"), (0.5, "succeeded")])
+async def test_against_the_current_version_the_margin_decides(
+        fake_replicas, tiny_model, checkpoint, eval_file, margin, state):
+    _, record, versions = await gated(
+        fake_replicas, tiny_model, checkpoint, base=ALL_RIGHT, new=HALF_RIGHT,
+        eval_data=str(eval_file), gate_vs_current=True, gate_margin=margin)
+    assert record["state"] == state, record
+    assert record["quality"]["current"]["exact_match"] == 1.0
+    assert record["quality"]["candidate"]["exact_match"] == 0.5
+    assert record["quality"]["passed"] is (state == "succeeded")
+    want = weights_for(str(checkpoint if state == "succeeded" else tiny_model)).version
+    assert versions == [want, want]
+
+
+async def test_free_text_is_gated_on_its_log_likelihood(fake_replicas, tiny_model, checkpoint,
+                                                        eval_file):
+    _, record, _ = await gated(
+        fake_replicas, tiny_model, checkpoint, base=({}, -0.5), new=({}, -2.0),
+        eval_data=str(eval_file), gate_vs_current=True, gate_metric="mean_logprob",
+        gate_margin=1.0)
+    assert record["state"] == "rolled_back"
+    assert "mean_logprob -2 over 2 examples against -0.5" in record["quality"]["reason"]
+
+
+async def test_an_eval_set_alone_scores_the_new_version_and_gates_nothing(
+        fake_replicas, tiny_model, checkpoint, eval_file):
+    _, record, _ = await gated(fake_replicas, tiny_model, checkpoint, base=ALL_RIGHT,
+                               new=NONE_RIGHT, eval_data=str(eval_file))
+    assert record["state"] == "succeeded"
+    assert record["quality"]["candidate"]["exact_match"] == 0.0
+    assert "passed" not in record["quality"] and "current" not in record["quality"]
+
+
+@pytest.mark.parametrize(("options", "status", "param", "message"), [
+    ({"gate_min_score": 0.5}, 400, "eval_data", "needs an eval set"),
+    ({"eval_data": "relative.jsonl"}, 400, "eval_data", "absolute path"),
+    ({"eval_data": "/etc/hostname"}, 403, "eval_data", "not inside the checkpoint root"),
+    ({"eval_data": "{bad}"}, 422, "eval_data", "bad.jsonl:2: not valid JSON"),
+    ({"eval_data": "{eval}", "gate_metric": "bleu"}, 400, "gate_metric", "one of"),
+    ({"eval_data": "{eval}", "gate_margin": -1}, 400, "gate_margin", "finite number"),
+    ({"eval_data": "{eval}", "gate_vs_current": "yes"}, 400, "gate_vs_current", "true or"),
+], ids=["gate-without-eval", "relative", "outside-root", "malformed", "metric", "margin",
+        "flag"])
+async def test_bad_gate_options_are_refused_and_change_nothing(
+        fake_replicas, tiny_model, checkpoint, eval_file, options, status, param, message):
+    bad = eval_file.parent / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    options = {k: v.format(eval=eval_file, bad=bad) if isinstance(v, str) else v
+               for k, v in options.items()}
+    got, body, versions = await gated(fake_replicas, tiny_model, checkpoint, base=ALL_RIGHT,
+                                      new=ALL_RIGHT, **options)
+    assert got == status, body
+    assert body["error"]["param"] == param and message in body["error"]["message"]
+    assert versions == [weights_for(str(tiny_model)).version] * 2
+
+
+async def test_a_single_replica_cannot_be_gated(fake_replicas, tiny_model, checkpoint,
+                                               eval_file):
+    status, body, _ = await gated(fake_replicas, tiny_model, checkpoint, base=ALL_RIGHT,
+                                  new=ALL_RIGHT, replicas=1, eval_data=str(eval_file),
+                                  gate_min_score=0.5)
+    assert status == 400 and body["error"]["param"] == "eval_data"
+    assert "a single replica cannot" in body["error"]["message"]
