@@ -241,6 +241,7 @@ class Convergence:
         ("gate") if the gate fails. The scores go in the record either way."""
         record: dict[str, object] = {"eval_data": gate.eval_data, "metric": gate.metric}
         self.progress.quality = record
+        t0 = time.monotonic()
         candidate = await quality.score(self.client, replica.url, model, gate.cases)
         record["candidate"] = candidate.to_json()
         current = None
@@ -253,7 +254,15 @@ class Convergence:
             current = await quality.score(self.client, on_current[0].url,
                                           canary_model(on_current[0]), gate.cases)
             record["current"] = current.to_json()
+        if self._metrics is not None:
+            self._metrics.deploy_eval_score.clear()
+            for of, scored in (("candidate", candidate), ("current", current)):
+                for metric in quality.METRICS:
+                    if scored is not None:
+                        self._metrics.deploy_eval_score.labels(metric, of).set(
+                            scored.metric(metric))
         reason = gate.verdict(candidate, current) if gate.gates else None
+        record["seconds"] = round(time.monotonic() - t0, 3)
         if gate.gates:
             record["passed"] = reason is None
         self.progress.event(f"{replica.id}: eval {candidate.describe(gate.metric)}"

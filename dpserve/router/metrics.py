@@ -161,6 +161,14 @@ class RouterMetrics:
             buckets=DEPLOY_BUCKETS,
             registry=self.registry,
         )
+        self.deploy_eval_score = Gauge(
+            "dpserve_deploy_eval_score",
+            "The last scored deploy's eval set (--eval), by metric (exact_match, "
+            "mean_logprob) and `of`: candidate (the version deployed) or current (the one "
+            "it would replace).",
+            ["metric", "of"],
+            registry=self.registry,
+        )
         self.replica_reloads = Counter(
             "dpserve_replica_reloads",
             "Weight hot-loads of one replica (pause, reload, reset cache, canary, resume), "

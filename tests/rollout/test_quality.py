@@ -4,12 +4,15 @@ is in tests/integration/test_deploy.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 
+from dpserve.rollout.client import AdminClient, run_deploy
 from dpserve.rollout.deployed import weights_for
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import deploy, fleet
@@ -121,3 +124,30 @@ async def test_a_single_replica_cannot_be_gated(fake_replicas, tiny_model, check
                                   gate_min_score=0.5)
     assert status == 400 and body["error"]["param"] == "eval_data"
     assert "a single replica cannot" in body["error"]["message"]
+
+
+async def test_the_scores_are_in_the_metrics(fake_replicas, tiny_model, checkpoint, eval_file):
+    async with fleet(fake_replicas, tiny_model, 2) as f:
+        for fake in f.fakes:
+            fake.skill = {None: ALL_RIGHT, "step-000001": HALF_RIGHT}
+        await deploy(f, checkpoint, eval_data=str(eval_file), gate_vs_current=True)
+        async with httpx.AsyncClient(base_url=f.base) as c:
+            text = (await c.get("/metrics")).text
+    assert 'dpserve_deploy_eval_score{metric="exact_match",of="candidate"} 0.5' in text
+    assert 'dpserve_deploy_eval_score{metric="exact_match",of="current"} 1.0' in text
+    assert 'dpserve_deploy_eval_score{metric="mean_logprob",of="current"} -0.1' in text
+
+
+async def test_dpserve_deploy_prints_the_scores_and_the_verdict(fake_replicas, tiny_model,
+                                                                 checkpoint, eval_file):
+    out = io.StringIO()
+    async with fleet(fake_replicas, tiny_model, 2) as f, AdminClient(f.base) as client:
+        for fake in f.fakes:
+            fake.skill = {None: ALL_RIGHT, "step-000001": NONE_RIGHT}
+        code = await run_deploy(client, checkpoint, {
+            "eval_data": str(eval_file), "gate_vs_current": True}, out)
+    text = out.getvalue()
+    assert code == 1 and "rolled_back after" in text
+    assert ("eval candidate 0 exact_match (0% exact, mean log-prob -3.000, 2 examples) · "
+            "current 1 exact_match (100% exact, mean log-prob -0.100, 2 examples); "
+            "gate failed") in text

@@ -9,8 +9,10 @@ from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
 # Every label a router metric may carry: each has a small, known set of values.
-# `adapter` takes only names an operator deployed (requests naming others are not counted).
-BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason", "adapter"}
+# `adapter` takes only names an operator deployed (requests naming others are not counted);
+# `metric` and `of` name an eval score (2 x 2 values).
+BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason", "adapter",
+                  "metric", "of"}
 
 
 def router_metrics() -> RouterMetrics:
