@@ -236,6 +236,8 @@ async def run_status(client: AdminClient, out: TextIO) -> int:
         print(f"last deploy {last['id']}: {last['state']}, {last['checkpoint']}"
               + (f" ({last['version']})" if last["version"] else "")
               + (f": {last['error']}" if last["error"] else ""), file=out)
+        if last.get("quality"):
+            print("  " + _quality_line(last["quality"]), file=out)
     out.flush()
     return 0
 

@@ -10,13 +10,18 @@ back. A replica's `weight_version` in the pool says what it actually serves;
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
+import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from dpserve.checkpoint import CheckpointError, CheckpointMeta, read_meta, step_name
+from dpserve.rollout.progress import DeployProgress
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
 
@@ -78,3 +83,26 @@ class Deployed:
 
     def __repr__(self) -> str:
         return f"Deployed(current={self.current.version}, base={self.base.version})"
+
+
+def point_link(link: Path, target: Path) -> None:
+    """Make `link` a symlink to `target`, atomically: a reader sees the old target or the
+    new one, never no link (a new link is renamed over the old one)."""
+    tmp = link.with_name(f".{link.name}.{secrets.token_hex(4)}")
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+async def point_deployed_link(link: Path, target: str, progress: DeployProgress) -> None:
+    """`point_link` after a deploy succeeded, noted in its record; a failure is logged,
+    not raised: the replicas serve the target, only later restarts are affected."""
+    try:
+        await asyncio.to_thread(point_link, link, Path(target))
+    except OSError as exc:
+        progress.event(f"could not point {link} at {target}: {exc}", level=logging.ERROR)
+    else:
+        progress.event(f"{link} -> {target}")

@@ -67,6 +67,16 @@ class DeployOptions:
     `gate_margin`."""
     gate_margin: float = 0.0
 
+    def check_fleet(self, replicas: int, *, adapter: bool) -> None:
+        """Refused(400) for options a fleet of `replicas` cannot honour."""
+        if replicas > 1 and self.batch >= replicas:
+            raise Refused(400, f"batch must leave a replica serving: at most {replicas - 1} "
+                               f"of {replicas}", param="batch")
+        if replicas < 2 and self.no_mixed_versions and not adapter:
+            raise Refused(400, "no_mixed_versions needs a second replica to serve while one "
+                               "drains; a lone replica's requests in flight resume on the new "
+                               "weights", param="no_mixed_versions")
+
     @property
     def drain_deadline_s(self) -> float:
         """How long a drained replica's requests may run before it is paused."""

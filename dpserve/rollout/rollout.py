@@ -40,7 +40,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -56,7 +55,12 @@ from dpserve.httpclient import open_client
 from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.converge import Convergence, Restarter
-from dpserve.rollout.deployed import Deployed, Weights, checkpoint_weights
+from dpserve.rollout.deployed import (
+    Deployed,
+    Weights,
+    checkpoint_weights,
+    point_deployed_link,
+)
 from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S
 from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
 from dpserve.rollout.progress import (
@@ -168,13 +172,7 @@ class Rollout:
                                "--drop-adapters (\"drop_adapters\": true) to stop serving "
                                "them first", param="drop_adapters")
         n = len(self._pool)
-        if n > 1 and options.batch >= n:
-            raise Refused(400, f"batch must leave a replica serving: at most {n - 1} of {n}",
-                          param="batch")
-        if n < 2 and options.no_mixed_versions and name is None:
-            raise Refused(400, "no_mixed_versions needs a second replica to serve while one "
-                               "drains; a lone replica's requests in flight resume on the new "
-                               "weights", param="no_mixed_versions")
+        options.check_fleet(n, adapter=name is not None)
         if self._snapshots is None:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "
@@ -335,7 +333,8 @@ class Rollout:
                 error = await convergence.forward(target)
                 if error is None:
                     if self.deployed_link is not None:
-                        await self._point_link(progress, target)
+                        await point_deployed_link(Path(self.deployed_link), target.path,
+                                                  progress)
                     self._recent.append(target.path)
                     self._finish(progress, DeployState.SUCCEEDED)
                     return
@@ -392,16 +391,6 @@ class Rollout:
                 await renewing
         await self._release_lock()  # a lock taken over is left alone (DeployLock.release)
 
-    async def _point_link(self, progress: DeployProgress, target: Weights) -> None:
-        assert self.deployed_link is not None
-        try:
-            await asyncio.to_thread(point_link, Path(self.deployed_link), Path(target.path))
-        except OSError as exc:  # the replicas serve it; only later restarts are affected
-            progress.event(f"could not point {self.deployed_link} at {target.path}: {exc}",
-                           level=logging.ERROR)
-        else:
-            progress.event(f"{self.deployed_link} -> {target.path}")
-
     async def _release_lock(self) -> None:
         if self._lock is not None:
             try:
@@ -416,15 +405,3 @@ class Rollout:
             self._metrics.deploys.labels(state.value).inc()
             self._metrics.deploy_duration.observe(progress.finished_at - progress.started_at
                                                   if progress.finished_at else 0.0)
-
-
-def point_link(link: Path, target: Path) -> None:
-    """Make `link` a symlink to `target`, atomically: a reader sees the old target or the
-    new one, never no link (a new link is renamed over the old one)."""
-    tmp = link.with_name(f".{link.name}.{secrets.token_hex(4)}")
-    os.symlink(target, tmp)
-    try:
-        os.replace(tmp, link)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from dpserve.config import RouterConfig
-from dpserve.rollout.deployed import Deployed, weights_for
-from dpserve.rollout.rollout import Rollout, point_link
+from dpserve.rollout.deployed import Deployed, point_link, weights_for
+from dpserve.rollout.rollout import Rollout
 from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.serve import compose

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dpserve.rollout.client import AdminClient, run_deploy
+from dpserve.rollout.client import AdminClient, run_deploy, run_status
 from dpserve.rollout.deployed import weights_for
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import deploy, fleet
@@ -146,7 +146,10 @@ async def test_dpserve_deploy_prints_the_scores_and_the_verdict(fake_replicas, t
             fake.skill = {None: ALL_RIGHT, "step-000001": NONE_RIGHT}
         code = await run_deploy(client, checkpoint, {
             "eval_data": str(eval_file), "gate_vs_current": True}, out)
+        status = io.StringIO()
+        await run_status(client, status)
     text = out.getvalue()
+    assert "gate failed" in status.getvalue().splitlines()[-1]  # `dpserve status`
     assert code == 1 and "rolled_back after" in text
     assert ("eval candidate 0 exact_match (0% exact, mean log-prob -3.000, 2 examples) · "
             "current 1 exact_match (100% exact, mean log-prob -0.100, 2 examples); "
