@@ -183,6 +183,20 @@ def _add_deploy(sub: Subparsers) -> None:
                       help="roll back if the new version scores below the current one by "
                            "more than --gate-margin")
     gate.add_argument("--gate-margin", type=float, help="for --gate-vs-current (default 0)")
+    canary = deploy.add_argument_group("canary traffic (the first replica updated serves a "
+                                       "share of requests, then is compared with the others)")
+    canary.add_argument("--canary-weight", type=float, metavar="P",
+                        help="percent of new requests sent to it, 0 < P < 100")
+    canary.add_argument("--canary-duration-s", type=float, metavar="D",
+                        help="for this long (default 60)")
+    canary.add_argument("--canary-max-error-rate-delta", type=float,
+                        help="roll back if its error rate exceeds the others' by more "
+                             "(default 0.01: one point)")
+    canary.add_argument("--canary-max-ttft-ratio", type=float,
+                        help="roll back if its TTFT p50 or p90 exceeds the others' by this "
+                             "factor (default 1.5)")
+    canary.add_argument("--canary-min-requests", type=int,
+                        help="roll back if it served fewer requests (default 10)")
     deploy.add_argument("--no-mixed-versions", action="store_true", default=None,
                         help="no response may begin on the old weights and end on the new: "
                              "pause each replica only once its requests have ended "

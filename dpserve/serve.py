@@ -181,6 +181,7 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
                     weight_version=rollout.deployed_version, routes=deploy_routes(rollout),
                     adapters=adapters.adapters,
                     admit=Admission(then=adapters.admit) if warm_up else adapters.admit)
+    rollout.traffic = router.dispatcher
     return router, rollout
 
 

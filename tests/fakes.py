@@ -80,6 +80,11 @@ class FakeReplica:
     """Dev endpoint calls in order, as `path?query`."""
     reload_gate: asyncio.Event | None = None
     """If set, a `reload_weights` call waits for it (a slow reload, held on cue)."""
+    bad_weights: str | None = None
+    """A part of a reloaded weights path (e.g. `step-000001`): weights that serve
+    client requests (not the canary's) badly, as `bad_mode` says, after `bad_delay_s`."""
+    bad_mode: str | None = None
+    bad_delay_s: float = 0.0
     skill: dict[str | None, tuple[dict[str, str], float]] = field(default_factory=dict)
     """For a deploy's eval set, by the weights loaded (None: those it started with; else
     a part of their path, e.g. `step-000001`):
@@ -235,8 +240,13 @@ class FakeReplica:
         if (body.get("logprobs") is not None and self.weights is not None
                 and (failure := self._failure("canary"))):
             return failure  # the new weights misbehave: only after a reload
-        if self.mode in ("error400", "error500", "error503"):
-            code = int(self.mode[-3:])
+        mode = self.mode
+        if (self.bad_weights is not None and self.weights is not None
+                and self.bad_weights in self.weights and body.get("logprobs") is None):
+            mode = self.bad_mode or mode
+            await asyncio.sleep(self.bad_delay_s)
+        if mode in ("error400", "error500", "error503"):
+            code = int(mode[-3:])
             return web.json_response(
                 {"error": {"message": f"{self.name} says no", "type": "FakeError",
                            "param": None, "code": code}}, status=code)

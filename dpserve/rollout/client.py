@@ -28,6 +28,8 @@ DEFAULT_ROUTER = "http://127.0.0.1:8000"
 ADMIN_KEY_ENV = "DPSERVE_ADMIN_KEY"
 # Validation hashes every byte of the checkpoint before the router answers.
 VALIDATE_TIMEOUT_S = 1800.0
+CANARY_EVERY_S = 5
+"""`dpserve deploy` prints the canary's progress this often."""
 POLL_S = 0.25
 
 
@@ -134,6 +136,12 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
             if r["phase"] != "pending" and shown.get(r["id"]) != key:
                 shown[r["id"]] = key
                 print("  " + _replica_line(r), file=out, flush=True)
+        canary = record.get("canary")
+        if canary and "canary" in canary:  # a line every CANARY_EVERY_S and at the end
+            key = ("canary", int(canary["elapsed_s"] // CANARY_EVERY_S), "passed" in canary)
+            if shown.get("canary") != key:
+                shown["canary"] = key
+                print("  " + _canary_line(canary), file=out, flush=True)
         if record["done"]:
             break
         await asyncio.sleep(POLL_S)
@@ -152,6 +160,19 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
     if record["state"] == "rolled_back":
         print(f"  the replicas serve {record['previous_version']} again", file=out, flush=True)
     return 1
+
+
+def _canary_line(c: dict[str, Any]) -> str:
+    def side(s: dict[str, Any]) -> str:
+        ttft = ("-" if s["ttft_p50_ms"] is None
+                else f"{s['ttft_p50_ms']:.0f}/{s['ttft_p90_ms']:.0f} ms")
+        return f"{s['requests']} req, {s['error_rate']:.1%} errors, TTFT p50/p90 {ttft}"
+
+    line = (f"canary {c['replica']} {c['elapsed_s']:.0f}/{c['duration_s']:g} s at "
+            f"{c['weight']:g}%: {side(c['canary'])} · others {side(c['others'])}")
+    if "passed" in c:
+        line += "; " + ("passed" if c["passed"] else f"failed: {c['reason']}")
+    return line
 
 
 def _quality_line(q: dict[str, Any]) -> str:
@@ -263,7 +284,9 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             options = {name: getattr(ns, name) for name in
                        ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters",
                         "no_mixed_versions", "gate_metric", "gate_min_score",
-                        "gate_vs_current", "gate_margin")
+                        "gate_vs_current", "gate_margin", "canary_weight",
+                        "canary_duration_s", "canary_max_error_rate_delta",
+                        "canary_max_ttft_ratio", "canary_min_requests")
                        if getattr(ns, name, None) is not None}
             if eval_data is not None:
                 options["eval_data"] = eval_data

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import httpx
 
 from dpserve.rollout import quality
+from dpserve.rollout.canary_phase import Traffic, run_canary
 from dpserve.rollout.deployed import Weights
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase
@@ -63,9 +64,11 @@ class Convergence:
                  client: httpx.AsyncClient, *, restarter: Restarter | None,
                  metrics: RouterMetrics | None, reload_timeout_s: float,
                  hot_loading: set[str], lock_lost: Callable[[], str | None],
-                 gate: Gate | None = None) -> None:
+                 gate: Gate | None = None, traffic: Traffic | None = None) -> None:
         self.pool = pool
         self._gate = gate
+        self._traffic = traffic if options.canary_weight is not None else None
+        """Split for the first replica updated, once it serves again (`canary_phase`)."""
         """Scored on the first replica updated, before it re-enters rotation."""
         self.progress = progress
         self.options = options
@@ -86,9 +89,10 @@ class Convergence:
     async def forward(self, target: Weights) -> str | None:
         """Converge batch after batch; the first error message, or None."""
         replicas = list(self.pool)
-        # With a quality gate, the first replica goes alone: none of the new version
-        # serves before the gate passed.
-        first = 1 if self._gate is not None else self.options.batch
+        # With a quality gate or a canary, the first replica goes alone: no other of the
+        # new version serves before it passed.
+        first = (1 if self._gate is not None or self._traffic is not None
+                 else self.options.batch)
         starts = [0, *range(first, len(replicas), self.options.batch)]
         for i, end in zip(starts, [*starts[1:], len(replicas)], strict=True):
             if self._lock_lost() is not None:
@@ -234,6 +238,9 @@ class Convergence:
             self.pool.set_state(replica, ReplicaState.DRAINING if admin_drained
                                  else ReplicaState.READY, f"{reason}: serving {weights.version}")
         rp.version, rp.seconds = weights.version, round(time.monotonic() - started, 3)
+        if self._traffic is not None and not rollback and replica.state is ReplicaState.READY:
+            traffic, self._traffic = self._traffic, None  # once, on the first replica
+            await run_canary(traffic, replica, self.options, self.progress)
 
     async def _evaluate(self, gate: Gate, replica: Replica, model: str) -> None:
         """Score the eval set on `replica` (updated, out of rotation) and, for the

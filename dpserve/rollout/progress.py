@@ -33,7 +33,9 @@ NO_MIXED_DRAIN_S = 600.0
 may take to finish before the deploy gives up on it."""
 DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
                  "name", "drop_adapters", "no_mixed_versions", "eval_data", "gate_metric",
-                 "gate_min_score", "gate_vs_current", "gate_margin")
+                 "gate_min_score", "gate_vs_current", "gate_margin", "canary_weight",
+                 "canary_duration_s", "canary_max_error_rate_delta", "canary_max_ttft_ratio",
+                 "canary_min_requests")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -72,10 +74,22 @@ class DeployOptions:
         if replicas > 1 and self.batch >= replicas:
             raise Refused(400, f"batch must leave a replica serving: at most {replicas - 1} "
                                f"of {replicas}", param="batch")
+        if replicas < 2 and self.canary_weight is not None and not adapter:
+            raise Refused(400, "canary traffic compares the updated replica with the others: "
+                               "a single replica has none to compare with",
+                          param="canary_weight")
         if replicas < 2 and self.no_mixed_versions and not adapter:
             raise Refused(400, "no_mixed_versions needs a second replica to serve while one "
                                "drains; a lone replica's requests in flight resume on the new "
                                "weights", param="no_mixed_versions")
+
+    canary_weight: float | None = None
+    """Percent of new requests sent to the first updated replica, once it serves, for
+    `canary_duration_s`; then it is compared with the others (`router.canary`)."""
+    canary_duration_s: float = 60.0
+    canary_max_error_rate_delta: float = 0.01
+    canary_max_ttft_ratio: float = 1.5
+    canary_min_requests: int = 10
 
     @property
     def drain_deadline_s(self) -> float:
@@ -120,6 +134,26 @@ class DeployOptions:
                     raise Refused(400, f"{name} must be a finite number in {low:g}..{high:g}, "
                                        f"got {value!r}", param=name)
                 values[name] = float(value)
+        for name, kind, low, high in (("canary_weight", float, 0.0, 100.0),
+                                      ("canary_duration_s", float, 0.0, MAX_WAIT_S),
+                                      ("canary_max_error_rate_delta", float, 0.0, 1.0),
+                                      ("canary_max_ttft_ratio", float, 1.0, 1e6),
+                                      ("canary_min_requests", int, 1, 1_000_000)):
+            value = body.get(name)
+            if value is None:
+                continue
+            exclusive = name in ("canary_weight", "canary_duration_s")
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value)
+                    or (kind is int and not float(value).is_integer())
+                    or not low <= value <= high or (exclusive and value in (low, high))):
+                bounds = f"({low:g}, {high:g})" if exclusive else f"{low:g}..{high:g}"
+                raise Refused(400, f"{name} must be a{'n integer' if kind is int else ' number'}"
+                                   f" in {bounds}, got {value!r}", param=name)
+            values[name] = kind(value)
+        if "canary_weight" not in values and any(k.startswith("canary_") for k in values):
+            raise Refused(400, "canary options need canary_weight (--canary-weight)",
+                          param="canary_weight")
         metric = body.get("gate_metric")
         if metric is not None:
             if metric not in GATE_METRICS:
@@ -202,6 +236,9 @@ class DeployProgress:
     adapter: str | None = None
     """The adapter name a LoRA deploy serves the checkpoint as (None: full weights)."""
     error: str | None = None
+    canary: dict[str, Any] | None = None
+    """Canary traffic (`--canary-weight`), updated as it runs: the canary's and the
+    others' requests, errors and TTFT, then passed and reason."""
     quality: dict[str, Any] | None = None
     """The eval set's scores (`--eval`): candidate, current, passed, reason."""
     replicas: list[ReplicaProgress] = field(default_factory=list)
@@ -242,4 +279,5 @@ class DeployProgress:
             "finished_at": self.finished_at,
             "replicas": [r.to_json() for r in self.replicas], "events": list(self.events),
             "mixed_versions": sum(r.mixed for r in self.replicas), "quality": self.quality,
+            "canary": self.canary,
         }

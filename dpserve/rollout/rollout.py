@@ -54,6 +54,7 @@ from dpserve.checkpoint import CheckpointError, CheckpointMeta
 from dpserve.httpclient import open_client
 from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
+from dpserve.rollout.canary_phase import Traffic
 from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import (
     Deployed,
@@ -124,6 +125,8 @@ class Rollout:
         self._served: ModelFingerprint | None = None
         self._hot_loading: set[str] = set()
         self._lock_lost: str | None = None
+        self.traffic: Traffic | None = None
+        """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
         """Why the deploy lock was lost during the deploy in progress, if it was."""
         self._recent: collections.deque[str] = collections.deque(maxlen=2)
         """Snapshots most recently deployed (kept by the store's prune for rollbacks)."""
@@ -329,7 +332,7 @@ class Rollout:
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
                     hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost,
-                    gate=gate)
+                    gate=gate, traffic=self.traffic)
                 error = await convergence.forward(target)
                 if error is None:
                     if self.deployed_link is not None:

@@ -31,6 +31,7 @@ from dpserve.router.admission import (
     under_cap,
 )
 from dpserve.router.breaker import CircuitBreaker, Outcome, Permit
+from dpserve.router.canary import CanarySplit
 from dpserve.router.errors import RouterError
 from dpserve.router.policies import Policy, RequestInfo
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
@@ -54,7 +55,8 @@ class Slot:
     router (cancelled, client gone), which no breaker holds against a replica.
     """
 
-    __slots__ = ("_dispatcher", "adapter", "outcome", "permit", "replica", "started")
+    __slots__ = ("_dispatcher", "adapter", "first_byte_s", "outcome", "permit", "replica",
+                 "started")
 
     def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit,
                  adapter: str | None = None) -> None:
@@ -64,6 +66,8 @@ class Slot:
         self.adapter = adapter
         self.outcome = Outcome.ABORTED
         self.started = 0.0
+        self.first_byte_s: float | None = None
+        """When its response began: seconds since the client's request arrived."""
 
     def __enter__(self) -> Slot:
         self.replica.in_flight += 1
@@ -96,6 +100,8 @@ class Dispatcher:
         self._mean_service_s: float | None = None
         self.queue = AdmissionQueue(max_waiting=config.queue_size,
                                     timeout_s=config.queue_timeout_s)
+        self.canary: CanarySplit | None = None
+        """Set by a deploy's canary phase: a share of new requests for one replica."""
         pool.on_state_change(self._on_state_change)
 
     @property
@@ -136,6 +142,8 @@ class Dispatcher:
                 )) from None
         # No await from here on: the choice and the lease must see the same counts.
         candidates = under_cap(self._open_to(tried, adapter), self._cap)
+        if self.canary is not None:
+            candidates = self.canary.narrow(candidates, first_attempt=not tried)
         replica = self._policy.select(candidates, request) if candidates else None
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:
@@ -157,6 +165,8 @@ class Dispatcher:
         """A slot was left: the attempt's outcome goes to the breaker, its room to the queue."""
         now = self._clock()
         self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
+        if self.canary is not None:
+            self.canary.record(slot.replica.id, slot.outcome, slot.first_byte_s)
         if slot.outcome is Outcome.SUCCESS:
             self._mean_service_s = ewma(self._mean_service_s, now - slot.started)
         self.queue.notify()

@@ -322,7 +322,8 @@ class ProxyEndpoint:
             else:
                 payload = _versioned(payload, ex, version)
             out_headers.append((b"content-length", str(len(payload)).encode()))
-            self._first_byte.observe(time.perf_counter() - ex.start)
+            slot.first_byte_s = time.perf_counter() - ex.start
+            self._first_byte.observe(slot.first_byte_s)
             await ex.replied.start(resp.status, out_headers)
             await ex.replied.body(payload, more=False)
             return resp.status
@@ -348,7 +349,8 @@ class ProxyEndpoint:
             raise RouterError(504, f"replica {replica.id} sent no token within "
                                    f"{self._config.first_byte_timeout_s:g} s") from None
         replied = ex.replied
-        self._first_byte.observe(time.perf_counter() - ex.start)
+        slot.first_byte_s = time.perf_counter() - ex.start
+        self._first_byte.observe(slot.first_byte_s)
         await replied.start(resp.status, headers)
         events = EventFramer(self._config.max_response_bytes)
         chunk = first
