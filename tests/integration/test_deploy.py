@@ -466,3 +466,72 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
         (tokens0, logprobs0), (tokens1, logprobs1) = completion(urls[0], p), completion(urls[1], p)
         assert tokens0 == tokens1
         assert logprobs0 == pytest.approx(logprobs1, abs=1e-4)
+
+
+# On 2 shared cores a healthy canary, just reloaded (its prefix cache empty), was seen
+# 3-5x slower than the other replica at p50/p90 (154 against 48 ms): a lenient ratio,
+# and a canary made far slower than that.
+CANARY = {"canary_weight": 50, "canary_duration_s": 8, "canary_min_requests": 3,
+          "canary_max_ttft_ratio": 8}
+
+
+def wait_deploy(f: Fleet, r: httpx.Response) -> dict:
+    assert r.status_code == 202, r.text
+    return wait_for_sync(lambda: (rec := deploy_record(f, r.json()["id"]))["done"] and rec,
+                         "the deploy to end", within_s=300)
+
+
+def test_a_canary_serving_like_the_others_is_promoted_without_mixing_versions(fleet: Fleet):
+    f = fleet
+    wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
+    with background_load(f.d.base_url, workers=4) as load:
+        record = wait_deploy(f, start_deploy(f, f.other, no_mixed_versions=True, **CANARY))
+    assert record["state"] == "succeeded", json.dumps([record["error"], record["canary"]])
+    canary = record["canary"]
+    assert canary["passed"] is True and canary["canary"]["requests"] >= 3
+    assert canary["canary"]["errors"] == 0 and canary["others"]["requests"] >= 3
+    assert record["mixed_versions"] == 0  # each replica paused only once idle
+    assert load.failures == []
+    version = weights_for(str(f.other)).version
+    assert f.versions() == [version, version]
+
+
+def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
+    """Its engine stalls (SIGSTOP 3 s, SIGCONT 0.1 s, over and over) once the canary
+    phase begins: what a slower checkpoint or a noisy neighbour looks like from the
+    router, short of failing its health checks (15 s here)."""
+    f = fleet
+    before = f.versions()
+    wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
+    pid, _ = f.d.replicas()["r0"]  # the first replica updated is the canary
+    pgid = os.getpgid(pid)
+    stop = threading.Event()
+
+    def stall() -> None:
+        while not stop.is_set():
+            os.killpg(pgid, signal.SIGSTOP)
+            stop.wait(3.0)
+            os.killpg(pgid, signal.SIGCONT)
+            stop.wait(0.1)
+
+    staller = threading.Thread(target=stall)
+    # 8 clients: those stuck on the canary leave the others enough to go on.
+    with background_load(f.d.base_url, workers=8):
+        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 12})
+        assert r.status_code == 202, r.text
+        wait_for_sync(lambda: deploy_record(f, r.json()["id"])["canary"], "the canary phase",
+                      within_s=120, every_s=0.05)
+        staller.start()
+        try:
+            record = wait_deploy(f, r)
+        finally:
+            stop.set()
+            staller.join(10)
+            os.killpg(pgid, signal.SIGCONT)
+    assert record["state"] == "rolled_back", json.dumps([record["error"], record["canary"]])
+    canary = record["canary"]
+    assert canary["passed"] is False and "on the canary against" in canary["reason"]
+    assert canary["canary"]["ttft_p50_ms"] > 8 * canary["others"]["ttft_p50_ms"]
+    assert record["error"].startswith("r0: canary traffic: TTFT p")
+    wait_for_sync(f.all_ready, "both replicas back in rotation", within_s=120)
+    assert f.versions() == before
