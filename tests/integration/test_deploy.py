@@ -531,7 +531,8 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     assert record["state"] == "rolled_back", json.dumps([record["error"], record["canary"]])
     canary = record["canary"]
     assert canary["passed"] is False and "on the canary against" in canary["reason"]
-    assert canary["canary"]["ttft_p50_ms"] > 8 * canary["others"]["ttft_p50_ms"]
+    assert any(canary["canary"][f"ttft_p{p}_ms"] > 8 * canary["others"][f"ttft_p{p}_ms"]
+               for p in (50, 90))  # its requests sent while it ran answer fast: p90 shows it
     assert record["error"].startswith("r0: canary traffic: TTFT p")
     wait_for_sync(f.all_ready, "both replicas back in rotation", within_s=120)
     assert f.versions() == before
