@@ -176,6 +176,9 @@ class Rollout:
                                "them first", param="drop_adapters")
         n = len(self._pool)
         options.check_fleet(n, adapter=name is not None)
+        if options.canary_weight is not None and self.traffic is None:
+            raise Refused(409, "this rollout has no router to split traffic with",
+                          param="canary_weight")
         if self._snapshots is None:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "
