@@ -28,6 +28,20 @@ MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
 GATE_METRICS = ("exact_match", "mean_logprob")
+NUMBERS: tuple[tuple[str, type, float, float, bool], ...] = (
+    ("batch", int, 1, 10_000, False),
+    ("drain_wait_s", float, 0.0, MAX_WAIT_S, False),
+    ("ready_timeout_s", float, 0.0, MAX_WAIT_S, False),
+    ("gate_min_score", float, -1e6, 1e6, False),
+    ("gate_margin", float, 0.0, 1e6, False),
+    ("canary_weight", float, 0.0, 100.0, True),
+    ("canary_duration_s", float, 0.0, MAX_WAIT_S, True),
+    ("canary_max_error_rate_delta", float, 0.0, 1.0, False),
+    ("canary_max_ttft_ratio", float, 1.0, 1e6, False),
+    ("canary_min_requests", int, 1, 1_000_000, False),
+)
+"""Numeric fields of a deploy: type, bounds, whether the bounds are excluded. Every
+value must be finite: they become timeouts, loop counts and thresholds."""
 NO_MIXED_DRAIN_S = 600.0
 """`no_mixed_versions` without `drain_wait_s`: how long a drained replica's requests
 may take to finish before the deploy gives up on it."""
@@ -101,18 +115,17 @@ class DeployOptions:
         """Options from a request body; Refused(400) naming a bad field. Numbers must be
         finite and within bounds: they become timeouts and loop counts."""
         values: dict[str, Any] = {}
-        for name, kind, low, high in (("batch", int, 1, 10_000),
-                                      ("drain_wait_s", float, 0.0, MAX_WAIT_S),
-                                      ("ready_timeout_s", float, 0.0, MAX_WAIT_S)):
-            if body.get(name) is None:
+        for name, kind, low, high, exclusive in NUMBERS:
+            value = body.get(name)
+            if value is None:
                 continue
-            value = body[name]
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not math.isfinite(value)
                     or (kind is int and not float(value).is_integer())
-                    or not low <= value <= high):
+                    or not low <= value <= high or (exclusive and value in (low, high))):
+                bounds = f"({low:g}, {high:g})" if exclusive else f"{low:g}..{high:g}"
                 raise Refused(400, f"{name} must be a{'n integer' if kind is int else ' number'}"
-                                   f" in {low:g}..{high:g}, got {value!r}", param=name)
+                                   f" in {bounds}, got {value!r}", param=name)
             values[name] = kind(value)
         prompt = body.get("canary_prompt")
         if prompt is not None:
@@ -126,31 +139,6 @@ class DeployOptions:
                 if not isinstance(value, bool):
                     raise Refused(400, f"{flag} must be true or false", param=flag)
                 values[flag] = value
-        for name, low, high in (("gate_min_score", -1e6, 1e6), ("gate_margin", 0.0, 1e6)):
-            value = body.get(name)
-            if value is not None:
-                if (isinstance(value, bool) or not isinstance(value, int | float)
-                        or not math.isfinite(value) or not low <= value <= high):
-                    raise Refused(400, f"{name} must be a finite number in {low:g}..{high:g}, "
-                                       f"got {value!r}", param=name)
-                values[name] = float(value)
-        for name, kind, low, high in (("canary_weight", float, 0.0, 100.0),
-                                      ("canary_duration_s", float, 0.0, MAX_WAIT_S),
-                                      ("canary_max_error_rate_delta", float, 0.0, 1.0),
-                                      ("canary_max_ttft_ratio", float, 1.0, 1e6),
-                                      ("canary_min_requests", int, 1, 1_000_000)):
-            value = body.get(name)
-            if value is None:
-                continue
-            exclusive = name in ("canary_weight", "canary_duration_s")
-            if (isinstance(value, bool) or not isinstance(value, int | float)
-                    or not math.isfinite(value)
-                    or (kind is int and not float(value).is_integer())
-                    or not low <= value <= high or (exclusive and value in (low, high))):
-                bounds = f"({low:g}, {high:g})" if exclusive else f"{low:g}..{high:g}"
-                raise Refused(400, f"{name} must be a{'n integer' if kind is int else ' number'}"
-                                   f" in {bounds}, got {value!r}", param=name)
-            values[name] = kind(value)
         if "canary_weight" not in values and any(k.startswith("canary_") for k in values):
             raise Refused(400, "canary options need canary_weight (--canary-weight)",
                           param="canary_weight")

@@ -100,7 +100,7 @@ async def test_an_eval_set_alone_scores_the_new_version_and_gates_nothing(
     ({"eval_data": "/etc/hostname"}, 403, "eval_data", "not inside the checkpoint root"),
     ({"eval_data": "{bad}"}, 422, "eval_data", "bad.jsonl:2: not valid JSON"),
     ({"eval_data": "{eval}", "gate_metric": "bleu"}, 400, "gate_metric", "one of"),
-    ({"eval_data": "{eval}", "gate_margin": -1}, 400, "gate_margin", "finite number"),
+    ({"eval_data": "{eval}", "gate_margin": -1}, 400, "gate_margin", "a number in 0..1e+06"),
     ({"eval_data": "{eval}", "gate_vs_current": "yes"}, 400, "gate_vs_current", "true or"),
 ], ids=["gate-without-eval", "relative", "outside-root", "malformed", "metric", "margin",
         "flag"])
