@@ -144,6 +144,8 @@ class Dispatcher:
         candidates = under_cap(self._open_to(tried, adapter), self._cap)
         if self.canary is not None:
             candidates = self.canary.narrow(candidates, first_attempt=not tried)
+        if any(r.avoid is not None for r in candidates):
+            candidates = [r for r in candidates if r.avoid is None] or candidates
         replica = self._policy.select(candidates, request) if candidates else None
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:

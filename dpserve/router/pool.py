@@ -48,6 +48,9 @@ class Replica:
     models: frozenset[str] = frozenset()
     """Model names the replica serves, read from its /v1/models when it turns ready."""
     in_flight: int = 0
+    avoid: str | None = None
+    """Why new requests should go elsewhere while another replica can take them (it is
+    loading an adapter: its engine stops stepping meanwhile); None normally."""
     adapters_in_flight: dict[str, int] = field(default_factory=dict)
     """Of `in_flight`, the requests per LoRA adapter (engine name `NAME@VERSION`); an
     adapter is here exactly while some request for it runs on the replica."""

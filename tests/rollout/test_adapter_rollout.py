@@ -119,13 +119,56 @@ async def test_a_failed_version_is_unloaded_from_a_replica_admitted_during_the_l
     replicas.append(late := Replica("r2", "http://127.0.0.1:9002", state=ReplicaState.STARTING))
     engines["r2"] = EngineAdapters()
     adapters = Adapters()
+    admitted: list[asyncio.Task[None]] = []
 
     def admin_for(r):
         if r.id == "r1" and late.state is ReplicaState.STARTING:  # r2 turns ready meanwhile
             late.state = ReplicaState.READY
-            asyncio.get_running_loop().create_task(converge(adapters, late, engines["r2"]))
+            admitted.append(asyncio.get_running_loop().create_task(
+                converge(adapters, late, engines["r2"])))
         return engines[r.id]
 
     with pytest.raises(AdapterLoadFailed):
         await load_everywhere(adapters, version("v1"), replicas, admin_for)
+    await asyncio.wait_for(asyncio.gather(*admitted), 5)  # its load may end after the rollback
     assert all(e.loaded == {} for e in engines.values())
+    assert "support@v1" not in late.models
+
+
+async def test_replicas_load_one_at_a_time_and_new_requests_avoid_the_one_loading():
+    replicas, _ = fleet(3)
+    seen: list[tuple[str, list[str | None]]] = []
+
+    class Watching(EngineAdapters):
+        async def load_lora(self, name: str, path: str) -> None:
+            seen.append((name, [r.avoid for r in replicas]))
+            await super().load_lora(name, path)
+
+    watched = {r.id: Watching() for r in replicas}
+    await load_everywhere(Adapters(), version("v1"), replicas, lambda r: watched[r.id])
+    loading = "loading adapter support@v1"
+    assert [avoid for _, avoid in seen] == [[loading, None, None], [None, loading, None],
+                                            [None, None, loading]]
+    assert all(r.avoid is None for r in replicas)
+
+
+async def test_a_failed_load_leaves_the_later_replicas_untouched():
+    replicas, engines = fleet(3, r1=frozenset({"support@v1"}))
+    with pytest.raises(AdapterLoadFailed, match="replica r1"):
+        await load_everywhere(Adapters(), version("v1"), replicas, lambda r: engines[r.id])
+    assert engines["r0"].calls == ["load support@v1", "unload support@v1"]
+    assert engines["r2"].calls == []
+    assert all(r.avoid is None for r in replicas)
+
+
+async def test_a_lone_replica_loads_in_place():
+    replicas, _ = fleet(1)
+    marks: list[str | None] = []
+
+    class Watching(EngineAdapters):
+        async def load_lora(self, name: str, path: str) -> None:
+            marks.append(replicas[0].avoid)
+            await super().load_lora(name, path)
+
+    await load_everywhere(Adapters(), version("v1"), replicas, lambda r: Watching())
+    assert marks == [None]

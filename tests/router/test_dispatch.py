@@ -119,3 +119,15 @@ async def test_a_retry_goes_to_a_replica_not_tried_yet_and_none_is_tried_twice()
         await d.choose(REQUEST, tried)
     assert caught.value.status == 502
     assert sorted(tried) == ["r0", "r1", "r2"]
+
+
+async def test_a_replica_to_avoid_gets_no_new_request_while_another_can_take_it():
+    d, pool = dispatcher(2)
+    r0, r1 = pool.get("r0"), pool.get("r1")
+    r0.avoid = "loading adapter support@v2"
+    chosen = [(await d.choose(REQUEST, [])).replica.id for _ in range(4)]
+    assert chosen == ["r1"] * 4
+    assert (await d.choose(REQUEST, ["r1"])).replica is r0  # nowhere else: it still serves
+    r0.avoid = None
+    assert {(await d.choose(REQUEST, [])).replica.id for _ in range(4)} == {"r0", "r1"}
+    assert r1.in_flight == 0  # no slot above was entered
