@@ -32,7 +32,10 @@ from dpserve.rollout.validate_adapter import validate_adapter
 from tests.finetune_helpers import finetune, plan_matches, trained, weights, write_train_data
 
 STEPS = 3
-RTOL = 1e-5
+RTOL = 1e-4
+"""Two ranks sum gradients in another order than one (Gloo's all-reduce): float32
+noise, 1.9e-5 seen on an AMD EPYC where 1e-5 held on other CPUs. A real fault (a
+gradient not averaged, or averaged twice) is off by far more after 3 steps at lr 1e-2."""
 LORA = {"lora_rank": 4, "lora_alpha": 8, "lr": 1e-2}
 
 
