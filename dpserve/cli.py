@@ -38,6 +38,11 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=POLICIES, help="replica selection policy")
     g.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     g.add_argument("--max-attempts", type=int, help="replicas tried per request")
+    g.add_argument("--migration-limit", type=int,
+                   help="moves of one stream to another replica after its own failed "
+                        "mid-stream (default 3; 0: off)")
+    g.add_argument("--migration-max-tokens", type=int,
+                   help="longest context (prompt + generated tokens) a migration replays")
     g.add_argument("--health-interval-s", type=float, help="active health check period")
     g.add_argument("--graceful-shutdown-s", type=float,
                    help="time in-flight requests get on shutdown")

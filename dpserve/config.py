@@ -71,6 +71,15 @@ class RouterConfig:
     """Replicas tried per request when one fails before any byte reached the client
     (connection refused or dropped, 502/503/504, a timeout on a non-streaming request);
     each retry goes to a replica not tried yet."""
+    migration_limit: int = 3
+    """Times one stream may move to another replica when its own dies or stalls after
+    the stream started (token replay; 0 turns migration off). Three covers a replica
+    lost and its successor lost too, while a request that breaks every engine it
+    reaches (a poison prompt) stops after three re-prefills."""
+    migration_max_tokens: int = 32768
+    """Longest context (prompt plus generated tokens) a migration replays; a longer
+    stream is cut as without migration, since its re-prefill would cost more than
+    the client's retry."""
     retry_backoff_s: float = 0.02
     """Delay before the first retry (full jitter), doubling per further retry."""
     retry_backoff_max_s: float = 1.0
@@ -304,7 +313,8 @@ def _validate_router(c: RouterConfig) -> None:
         require(value > 0, f"router.{name}", "must be > 0", value)
     require(c.graceful_shutdown_s >= 0, "router.graceful_shutdown_s", "must be >= 0",
              c.graceful_shutdown_s)
-    for name in ("retry_backoff_s", "retry_backoff_max_s", "max_in_flight_per_replica",
+    for name in ("migration_limit", "migration_max_tokens", "retry_backoff_s",
+                 "retry_backoff_max_s", "max_in_flight_per_replica",
                  "queue_size", "breaker_cooldown_s"):
         value = getattr(c, name)
         require(value >= 0, f"router.{name}", "must be >= 0", value)

@@ -24,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from loadtest.fakes import start_app
+from tests import fake_tokens
 
 MODEL = "fake-model"
 FINGERPRINT = "vllm-0.32.0-fake"
@@ -91,6 +92,13 @@ class FakeReplica:
     (prompt text -> its greedy answer, the log-probability of every prompt token). The
     fake's tokenizer is one token per character (`ord`); a chat renders its messages'
     contents joined by newlines. An unknown prompt is answered `?`."""
+    tokens: bool = False
+    """Streams speak the token model of `tests.fake_tokens` (predictable greedy output,
+    vLLM's `return_token_ids`), for migration."""
+    cut_after_tokens: int | None = None
+    """With `tokens`: streams close their connection after this many tokens."""
+    hang_after_tokens: int | None = None
+    """With `tokens`: streams send nothing more after this many tokens."""
     seen: list[str] = field(default_factory=list)
     """Every request that reached the replica, as `METHOD path?query`, health checks
     and scrapes left out: what a smuggled request would show up in."""
@@ -232,7 +240,8 @@ class FakeReplica:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if (answer := self._eval_answer(request, body)) is not None:
+        if (not (self.tokens and body.get("stream"))
+                and (answer := self._eval_answer(request, body)) is not None):
             return answer
         self.requests.append(body)
         self.headers_seen.append(request.headers.copy())  # case-insensitive
@@ -257,6 +266,11 @@ class FakeReplica:
             raise web.HTTPInternalServerError
         if self.mode == "hang" and not body.get("stream"):
             await asyncio.sleep(3600)
+        if self.tokens and body.get("stream"):
+            return await fake_tokens.stream(
+                request, body, name=self.name, fingerprint=FINGERPRINT,
+                cut_after=self.cut_after_tokens, hang_after=self.hang_after_tokens,
+                delay_s=self.chunk_delay_s)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,

@@ -215,3 +215,12 @@ def with_fingerprint(data: bytes, version: str) -> bytes:
 _FINGERPRINT = re.compile(rb'"system_fingerprint"[ ]?:[ ]?(?:"[^"\\]*"|null)')
 """The field as vLLM writes it (compact JSON) or as `json.dumps` does (a space after the
 colon). Inside generated text the quotes are escaped (`\\"`), so it cannot match there."""
+
+
+def versioned(data: bytes, adapter: AdapterVersion | None, client_model: str,
+              version: str | None) -> bytes:
+    """An answer (or SSE chunk) as the client gets it: on an adapter, renamed to the
+    model the client asked for; its `system_fingerprint` names the weights' version."""
+    if adapter is not None:
+        return rename_model(data, adapter, client_model)
+    return with_fingerprint(data, version) if version is not None else data

@@ -89,6 +89,23 @@ class RouterMetrics:
             ["route", "replica"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "dpserve_migrations",
+            "Streams whose replica failed after they started, by why (disconnected, "
+            "stalled) and what the router did: migrated (continued on another replica), "
+            "failed (no replica could continue it), refused (it could not be continued "
+            "as the same request: see dpserve_migration_refusals_total).",
+            ["reason", "outcome"],
+            registry=self.registry,
+        )
+        self.migration_refusals = Counter(
+            "dpserve_migration_refusals",
+            "Broken streams not migrated because a continuation would not be the same "
+            "request, by what stood in the way (n, logprobs, stop_strings, ...; "
+            "docs/serving.md lists them) or by a limit (limit, max_tokens).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.client_disconnects = Counter(
             "dpserve_client_disconnects",
             "Requests whose client went away before the response ended; the replica "

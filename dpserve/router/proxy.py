@@ -37,9 +37,8 @@ from dpserve.router.adapters import (
     Adapters,
     AdapterVersion,
     list_models,
-    rename_model,
     rewrite_model,
-    with_fingerprint,
+    versioned,
 )
 from dpserve.router.asgi import (
     DisconnectWatch,
@@ -57,6 +56,8 @@ from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.metrics import RouterMetrics, status_class
+from dpserve.router.migrate import StreamState, refusal, upstream_body
+from dpserve.router.migration import Broken, Migrator, Stream
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body
@@ -70,12 +71,14 @@ log = logging.getLogger("dpserve.proxy")
 # and Disconnected are OSErrors; its timeouts are TimeoutErrors.
 _UNREACHABLE = (OSError,)
 
+_MIGRATABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
+
 
 class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
-    __slots__ = ("adapter", "body", "client_model", "headers", "info", "line", "replied",
-                 "request_id", "start", "stream")
+    __slots__ = ("adapter", "body", "client_model", "headers", "info", "line", "migration",
+                 "not_migratable", "replied", "request_id", "start", "stream")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
         self.request_id = request_id
@@ -93,6 +96,10 @@ class Exchange:
         """The adapter version the request runs on, if it names an adapter."""
         self.client_model = ""
         """The `model` the client sent (answers are renamed back to it)."""
+        self.migration: Stream | None = None
+        """A stream that may move to another replica if its own fails mid-way."""
+        self.not_migratable = ""
+        """Why a stream may not (`migrate.refusal`), counted if it breaks."""
 
 
 class ProxyEndpoint:
@@ -132,6 +139,9 @@ class ProxyEndpoint:
         self._duration = metrics.request_duration.labels(route)
         self._first_byte = metrics.time_to_first_byte.labels(route)
         self._counted: dict[tuple[str, int], Any] = {}
+        self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
+        self._migrator = Migrator(dispatcher=dispatcher, upstream=upstream,
+                                  origin=self._origin, config=config, metrics=metrics)
 
     def _origin(self, base: str) -> Origin:
         origin = self._origins.get(base)
@@ -211,12 +221,33 @@ class ProxyEndpoint:
                 self._resolve_adapter(ex)
                 if ex.adapter is None:
                     check_model(ex.info.model, known)
+            if ex.stream and self._migrates:
+                self._track(ex, scope, parsed.payload)
         else:
             ex.info = RequestInfo(route=self.route)
         query = scope.get("query_string", b"")
         ex.line = self._request_line + (b"?" + query if query else b"")
         ex.headers = upstream_header_block(scope, ex.request_id,
                                            len(ex.body) if self._has_body else None)
+
+    def _track(self, ex: Exchange, scope: Scope, payload: dict[str, Any]) -> None:
+        """Make a stream migratable: its token ids are asked for and kept."""
+        chat = self.route == "/v1/chat/completions"
+        why = refusal(payload, chat=chat)
+        if why is not None:
+            ex.not_migratable = why
+            return
+        if ex.adapter is not None:
+            payload["model"] = ex.adapter.engine_name
+        state = StreamState(chat=chat, body=payload,
+                            wants_ids=payload.get("return_token_ids") is True)
+        ex.body = upstream_body(payload)
+        adapter, client_model = ex.adapter, ex.client_model
+        ex.migration = Stream(
+            state=state, request_id=ex.request_id, replied=ex.replied, info=ex.info,
+            scope=scope, version_of=lambda r: adapter.version if adapter is not None
+            else r.weight_version,
+            finish=lambda data, version: versioned(data, adapter, client_model, version))
 
     def _resolve_adapter(self, ex: Exchange) -> None:
         """A request naming an adapter runs on one version, named as the engines know it."""
@@ -254,6 +285,9 @@ class ProxyEndpoint:
                 result = await self._attempt(ex, slot, last=attempt == attempts)
             if isinstance(result, int):
                 return slot.replica.id, result
+            if isinstance(result, Broken):  # its slot left: the breaker has heard
+                assert ex.migration is not None
+                return await self._migrator.resume(ex.migration, result, tried), result.status
             last_error = f"replica {slot.replica.id}: {result}"
             timed_out = slot.outcome in (Outcome.TIMEOUT, Outcome.CONNECT_TIMEOUT)
             last_status = 504 if timed_out else 502
@@ -265,7 +299,7 @@ class ProxyEndpoint:
         return not last and is_retryable(slot.outcome, status=status,
                                          bytes_sent_to_client=False, stream=stream)
 
-    async def _attempt(self, ex: Exchange, slot: Slot, *, last: bool) -> int | str:
+    async def _attempt(self, ex: Exchange, slot: Slot, *, last: bool) -> int | str | Broken:
         """The status sent to the client, or why to try another replica.
 
         Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
@@ -320,7 +354,7 @@ class ProxyEndpoint:
             if self._lists_models and resp.status == 200 and ex.adapter is None:
                 payload = list_models(payload, self._adapters)
             else:
-                payload = _versioned(payload, ex, version)
+                payload = versioned(payload, ex.adapter, ex.client_model, version)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             slot.first_byte_s = time.perf_counter() - ex.start
             self._first_byte.observe(slot.first_byte_s)
@@ -333,7 +367,7 @@ class ProxyEndpoint:
     async def _pass_stream(
         self, ex: Exchange, resp: UpstreamResponse, slot: Slot,
         headers: list[tuple[bytes, bytes]], version: str | None,
-    ) -> int | str:
+    ) -> int | str | Broken:
         """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
         replica = slot.replica
         idle = self._config.stream_idle_timeout_s
@@ -352,12 +386,15 @@ class ProxyEndpoint:
         slot.first_byte_s = time.perf_counter() - ex.start
         self._first_byte.observe(slot.first_byte_s)
         await replied.start(resp.status, headers)
+        if ex.migration is not None:
+            return await self._migrator.relay(ex.migration, resp, slot, first)
         events = EventFramer(self._config.max_response_bytes)
         chunk = first
         try:
             while chunk:
                 if whole := events.feed(chunk):
-                    await replied.body(_versioned(whole, ex, version), more=True)
+                    await replied.body(versioned(whole, ex.adapter, ex.client_model, version),
+                                       more=True)
                 events.check()
                 async with asyncio.timeout(idle):
                     chunk = await reader.readany()
@@ -370,15 +407,14 @@ class ProxyEndpoint:
                       else "the replica closed the stream early")
             log.warning("stream from replica %s cut: %s", replica.id, reason)
             self._metrics.stream_errors.labels(self.route, replica.id).inc()
+            if ex.not_migratable and not isinstance(exc, EventTooLarge):
+                self._metrics.migrations.labels(
+                    "stalled" if isinstance(exc, TimeoutError) else "disconnected",
+                    "refused").inc()
+                self._metrics.migration_refusals.labels(ex.not_migratable).inc()
             await replied.body(sse_error_event(502, f"stream interrupted: {reason}"), more=False)
             return resp.status
-        await replied.body(_versioned(events.rest(), ex, version), more=False)
+        await replied.body(versioned(events.rest(), ex.adapter, ex.client_model, version),
+                           more=False)
         return resp.status
 
-
-def _versioned(data: bytes, ex: Exchange, version: str | None) -> bytes:
-    """An answer (or SSE chunk) as the client gets it: on an adapter, renamed to the
-    model the client asked for; its `system_fingerprint` names the weights' version."""
-    if ex.adapter is not None:
-        return rename_model(data, ex.adapter, ex.client_model)
-    return with_fingerprint(data, version) if version is not None else data

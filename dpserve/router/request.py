@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from dpserve.router.asgi import Receive, Scope
 from dpserve.router.budget import BodyHold
@@ -86,6 +87,8 @@ class ParsedRequest:
     """What the policy may know of the request."""
     stream: bool
     """The client asked for a stream (`"stream": true`)."""
+    payload: dict[str, Any]
+    """The body as parsed."""
 
 
 def check_model(model: str | None, known_models: frozenset[str]) -> None:
@@ -130,4 +133,4 @@ def parse_request(
         session_id=session_id(headers, payload) if "session_id" in keys else None,
         prefix=prompt_prefix(payload, prefix_chars) if "prefix" in keys else None,
     )
-    return ParsedRequest(info, stream is True)
+    return ParsedRequest(info, stream is True, payload)

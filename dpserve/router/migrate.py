@@ -1,0 +1,298 @@
+"""Token replay: what it takes to carry a broken stream on to another replica.
+
+With migration on, a streaming completion or chat request that can be continued
+(`refusal` is None) is forwarded with vLLM's `return_token_ids`, and its
+`StreamState` keeps what the engine reported: the prompt's token ids (with the
+first chunk; for chat, the prompt as the engine rendered it from the messages)
+and every generated id. If the stream breaks after it started, the rest is asked
+of another replica (`continuation`) as a completion whose prompt is those ids,
+with `max_tokens`/`min_tokens` reduced by what was generated and every sampling
+parameter that means the same there kept. The new replica prefills that context
+(no KV cache moves) and goes on; for greedy decoding it produces exactly the
+tokens an uninterrupted run would have (checked on vLLM 0.32, CPU, float32).
+`StreamState.client_chunk` turns its chunks into the client's: the same `id`,
+`created`, `model` and choice index, chat deltas for a chat request, and a
+`usage` counting the original prompt and every completion token.
+
+Where the seam goes. vLLM's detokenizer holds back text that does not decode yet
+(a UTF-8 character split across tokens, a stray byte waiting for a partner): a
+chunk then carries ids but empty text. Replaying such ids makes the new engine's
+detokenizer start mid-character; seen on vLLM 0.32, it printed the whole prompt
+again. So the seam goes after the last chunk whose text was not empty: there the
+text the client has is exactly the text of the ids replayed, and the ids after it
+are generated again (for greedy decoding, the same ones).
+
+What does not migrate, and why (`refusal`; each is counted by reason):
+`n`/`best_of` > 1 and beam search (several sequences, one seam each), `echo` (the
+prompt would be echoed again), presence and frequency penalties (they count only
+generated tokens: replayed ids would become prompt and stop counting), logprobs
+and prompt logprobs (not carried across the seam yet), structured output and
+tools (the grammar's state and the tool-call parser are not carried), `seed`
+with sampling (a seeded run would not repeat), `bad_words` (a multi-token bad
+word half-generated at the seam would be missed), stop strings (vLLM holds back
+text that might begin one, so the text sent lags the ids by an amount the router
+cannot see; carrying them is future work), several prompts in one request,
+multimodal messages (their placeholder ids cannot be replayed without the media),
+and prompts given as embeddings. Repetition penalty does migrate: vLLM applies it
+to prompt and output tokens alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+TOKEN_FIELDS = ("token_ids", "prompt_token_ids")
+"""What `return_token_ids` adds to a choice (and to a chat chunk: `prompt_token_ids`,
+`prompt_text`); taken out again unless the client asked for them."""
+
+_CARRIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "stop_token_ids", "ignore_eos", "logit_bias", "allowed_token_ids",
+            "skip_special_tokens", "spaces_between_special_tokens", "stream_options",
+            "user", "priority", "cache_salt", "seed", "return_tokens_as_token_ids")
+"""Request fields that mean the same on the continuation (a completion of ids)."""
+
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "structured_outputs", "structural_tag",
+               "grammar", "json_schema", "regex", "choice")
+
+
+def refusal(body: dict[str, Any], *, chat: bool) -> str | None:
+    """Why a streaming request could not be continued elsewhere as the same request
+    (a short reason, the metric's label), or None if it can."""
+    if _more_than_one(body.get("n")) or _more_than_one(body.get("best_of")):
+        return "n"
+    if body.get("use_beam_search"):
+        return "beam_search"
+    if body.get("echo"):
+        return "echo"
+    if _nonzero(body.get("presence_penalty")) or _nonzero(body.get("frequency_penalty")):
+        return "penalties"
+    if (body.get("logprobs") not in (None, False) or body.get("top_logprobs")
+            or body.get("prompt_logprobs") is not None):
+        return "logprobs"
+    response_format = body.get("response_format")
+    if ((isinstance(response_format, dict) and response_format.get("type") not in (None, "text"))
+            or any(body.get(k) is not None for k in _STRUCTURED)):
+        return "structured_output"
+    if (body.get("tools") and body.get("tool_choice") != "none") or body.get("functions"):
+        return "tools"
+    if body.get("seed") is not None and body.get("temperature", 1.0) != 0:
+        return "seed"
+    if body.get("bad_words"):
+        return "bad_words"
+    if body.get("stop"):
+        return "stop_strings"
+    if body.get("prompt_embeds") is not None or body.get("suffix"):
+        return "unsupported_prompt"
+    if chat:
+        if _multimodal(body.get("messages")):
+            return "multimodal"
+    elif not _single_prompt(body.get("prompt")):
+        return "several_prompts"
+    return None
+
+
+def _more_than_one(value: Any) -> bool:
+    return isinstance(value, int) and value > 1
+
+
+def _nonzero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value != 0
+
+
+def _single_prompt(prompt: Any) -> bool:
+    """One text, or one list of token ids (not a batch of either)."""
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, list):
+        return (len(prompt) == 1 and isinstance(prompt[0], (str, list))) or all(
+            isinstance(t, int) for t in prompt)
+    return False
+
+
+def _multimodal(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") not in (None, "text")
+                       for p in m["content"]) for m in messages)
+
+
+@dataclass
+class Seam:
+    """One migration, as told in the final chunk and the log."""
+
+    source: str
+    target: str
+    reason: str
+    replayed_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"from": self.source, "to": self.target, "reason": self.reason,
+                "replayed_tokens": self.replayed_tokens}
+
+
+@dataclass
+class StreamState:
+    """One migratable stream as the client has seen it so far."""
+
+    chat: bool
+    body: dict[str, Any]
+    """The request as the client sent it (model already the engine's name)."""
+    wants_ids: bool = False
+    """The client asked for `return_token_ids` itself: the ids stay in its chunks."""
+    identity: dict[str, Any] = field(default_factory=dict)
+    """`id`, `created`, `model` of the first chunk: every later chunk gets them."""
+    prompt_ids: list[int] | None = None
+    ids: list[int] = field(default_factory=list)
+    synced: int = 0
+    """How many of `ids` the client's text covers exactly (see the module's notes)."""
+    counted: int = 0
+    """Completion tokens generated before the current upstream began (for `usage`)."""
+    finish_reason: str | None = None
+    done: bool = False
+    """A finish reason came (or the engine sent an error): nothing is left to generate."""
+    usage_sent: bool = False
+    closed: bool = False
+    """`[DONE]` went out."""
+    seams: list[Seam] = field(default_factory=list)
+
+    @property
+    def started(self) -> bool:
+        return self.prompt_ids is not None
+
+    def client_chunk(self, chunk: dict[str, Any], *, continuation: bool
+                     ) -> dict[str, Any] | None:
+        """Learn from one upstream chunk and return it as the client gets it, or None
+        if that is as the engine wrote it. On a continuation the chunk is a
+        completion's, turned into the client's kind."""
+        if not self.identity:
+            self.identity = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+        if not continuation and self.chat and self.prompt_ids is None:
+            self.prompt_ids = chunk.get("prompt_token_ids")
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            self._learn(choice, first=not continuation)
+        if chunk.get("usage"):
+            chunk["usage"] = self.usage(chunk["usage"])
+            self.usage_sent = True
+        if continuation:
+            chunk = self._as_client_kind(chunk)
+        elif self.wants_ids or not _has_ids(chunk):
+            return None
+        if not self.wants_ids:
+            for key in ("prompt_token_ids", "prompt_text"):
+                if key in chunk:
+                    chunk[key] = None
+            for choice in chunk.get("choices") or []:
+                for key in TOKEN_FIELDS:
+                    if key in choice:
+                        choice[key] = None
+        if self.done and self.seams and chunk.get("choices"):
+            chunk["dpserve"] = {"migrations": [s.as_dict() for s in self.seams]}
+        return chunk
+
+    def _learn(self, choice: dict[str, Any], *, first: bool) -> None:
+        if first and not self.chat and self.prompt_ids is None:
+            self.prompt_ids = choice.get("prompt_token_ids")
+        new = choice.get("token_ids") or []
+        self.ids.extend(new)
+        text = (choice.get("delta") or {}).get("content") if self.chat and first else \
+            choice.get("text")
+        if text:
+            self.synced = len(self.ids)
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.synced = len(self.ids)
+            self.done = True
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """An upstream's `usage` as the client's: its original prompt, and every
+        completion token (those before the seam plus the continuation's own). With
+        `completion_tokens` 0, what the whole stream used so far."""
+        prompt = len(self.prompt_ids or ())
+        completion = self.counted + int(usage.get("completion_tokens") or 0)
+        if not usage.get("completion_tokens"):
+            completion = len(self.ids)
+        return usage | {"prompt_tokens": prompt, "completion_tokens": completion,
+                        "total_tokens": prompt + completion}
+
+    def usage_so_far(self) -> dict[str, int]:
+        prompt, completion = len(self.prompt_ids or ()), len(self.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _as_client_kind(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.identity)
+        out["object"] = "chat.completion.chunk" if self.chat else "text_completion"
+        out["choices"] = [self._choice(c) for c in chunk.get("choices") or []]
+        for key in ("usage", "system_fingerprint"):
+            if chunk.get(key) is not None:
+                out[key] = chunk[key]
+        return out
+
+    def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        if not self.chat:
+            return {k: v for k, v in choice.items() if k != "prompt_token_ids"} | {"index": 0}
+        out: dict[str, Any] = {"index": 0, "delta": {"content": choice.get("text") or ""},
+                               "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        if choice.get("finish_reason") is not None:
+            out["stop_reason"] = choice.get("stop_reason")
+        if self.wants_ids:
+            out["token_ids"] = choice.get("token_ids")
+        return out
+
+    def rewind(self) -> None:
+        """Drop the ids after the last synced chunk: they are generated again."""
+        del self.ids[self.synced:]
+        self.counted = len(self.ids)
+
+    def seam(self, source: str, target: str, reason: str) -> Seam:
+        seam = Seam(source, target, reason, len(self.prompt_ids or ()) + len(self.ids))
+        self.seams.append(seam)
+        return seam
+
+    def finish_chunk(self, reason: str) -> dict[str, Any]:
+        """The last chunk, written by the router: nothing was left to generate."""
+        self.finish_reason, self.done = reason, True
+        choice: dict[str, Any] = ({"index": 0, "delta": {}, "logprobs": None} if self.chat
+                                  else {"index": 0, "text": "", "logprobs": None})
+        return self.identity | {
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "choices": [choice | {"finish_reason": reason, "stop_reason": None}]}
+
+    def context_tokens(self) -> int:
+        return len(self.prompt_ids or ()) + self.synced
+
+
+def _has_ids(chunk: dict[str, Any]) -> bool:
+    return chunk.get("prompt_token_ids") is not None or any(
+        c.get(k) is not None for c in chunk.get("choices") or () for k in TOKEN_FIELDS)
+
+
+def continuation(state: StreamState) -> dict[str, Any] | None:
+    """The completion request that goes on where `state` stopped; None if nothing
+    is left to generate (the limit was reached exactly at the seam)."""
+    body = state.body
+    out: dict[str, Any] = {"model": body.get("model"),
+                           "prompt": [*(state.prompt_ids or ()), *state.ids],
+                           "stream": True, "return_token_ids": True}
+    for key in _CARRIED:
+        if key in body:
+            out[key] = body[key]
+    limit = body.get("max_completion_tokens") if state.chat else None
+    limit = limit if limit is not None else body.get("max_tokens")
+    if isinstance(limit, int):
+        if limit - len(state.ids) <= 0:
+            return None
+        out["max_tokens"] = limit - len(state.ids)
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - len(state.ids))
+    return out
+
+
+def upstream_body(body: dict[str, Any]) -> bytes:
+    """The request as forwarded while migration may be needed: with token ids."""
+    return json.dumps(body | {"return_token_ids": True}, separators=(",", ":")).encode()

@@ -1,0 +1,244 @@
+"""Keeping a stream alive when its replica dies or stalls: relay, then migrate.
+
+`Migrator.relay` forwards a migratable stream (`dpserve.router.migrate`) event by
+event, learning its token ids as it goes. When the replica's connection breaks or
+no chunk comes for `stream_idle_timeout_s`, it returns `Broken` instead of ending
+the stream; the proxy leaves that replica's slot (the breaker hears of the failure)
+and calls `resume`, which asks another replica for the continuation, chosen by the
+policy as usual among the replicas this request has not broken on, and relays it
+into the same client stream. That repeats up to `migration_limit` times. Where a
+continuation cannot be made (a limit reached, no replica left), the client gets
+what a broken stream always got: an error event, then `[DONE]`, after whole events
+only. A stream that broke after its last token (the finish chunk came, the rest
+did not) is finished by the router itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dpserve.config import RouterConfig
+from dpserve.router.asgi import ReplyTracker, Scope, upstream_header_block
+from dpserve.router.breaker import Outcome, classify
+from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
+from dpserve.router.errors import sse_error_event
+from dpserve.router.metrics import RouterMetrics
+from dpserve.router.migrate import StreamState, continuation
+from dpserve.router.policies import RequestInfo
+from dpserve.router.pool import Replica
+from dpserve.router.sse import EventFramer, EventTooLarge
+from dpserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
+
+log = logging.getLogger("dpserve.migration")
+
+_DONE = b"data: [DONE]"
+_CONTINUATION_LINE = b"POST /v1/completions HTTP/1.1"
+
+
+@dataclass
+class Broken:
+    """A stream whose replica failed after the client started getting it."""
+
+    reason: str
+    """`disconnected` or `stalled`: the metric's label."""
+    detail: str
+    status: int
+    """The status the client was sent (the stream's)."""
+
+
+@dataclass
+class Stream:
+    """What a migratable request carries through the proxy."""
+
+    state: StreamState
+    request_id: str
+    replied: ReplyTracker
+    info: RequestInfo
+    scope: Scope
+    version_of: Callable[[Replica], str | None]
+    """The version that answers on a replica (adapter or base weights)."""
+    finish: Callable[[bytes, str | None], bytes]
+    """An outgoing chunk as the client gets it (model renamed, fingerprint set)."""
+
+
+class Migrator:
+    def __init__(self, *, dispatcher: Dispatcher, upstream: UpstreamPool,
+                 origin: Callable[[str], Origin], config: RouterConfig,
+                 metrics: RouterMetrics) -> None:
+        self._dispatch = dispatcher
+        self._upstream = upstream
+        self._origin = origin
+        self._config = config
+        self._metrics = metrics
+
+    async def relay(self, stream: Stream, resp: UpstreamResponse, slot: Slot,
+                    first: bytes) -> int | Broken:
+        """Forward one upstream stream whose first chunk is `first` (the client's
+        response has started); its status, or Broken to be resumed elsewhere."""
+        broken = await self._pump(stream, resp, slot, first, continuation=False)
+        return resp.status if broken is None else Broken(*broken, status=resp.status)
+
+    async def resume(self, stream: Stream, broken: Broken, tried: list[str]) -> str:
+        """Carry `stream` on after `broken`; the id of the replica that ended it
+        (`none` if none could)."""
+        state, route = stream.state, "/v1/completions"
+        reason = broken.reason
+        while True:
+            if state.done:  # only the ending was lost: the router writes it
+                await stream.replied.body(self._ending(stream), more=False)
+                return tried[-1]
+            why = self._refused(state)
+            if why is not None:
+                return await self._give_up(stream, reason, "refused", broken.detail, why)
+            state.rewind()
+            body = continuation(state)
+            if body is None:  # every token came; only the finish chunk was lost
+                last = self._chunk(stream, state.finish_chunk("length"))
+                await stream.replied.body(last, more=True)
+                continue
+            try:
+                slot = await self._dispatch.choose(stream.info, tried)
+            except Unavailable:
+                return await self._give_up(stream, reason, "failed", broken.detail,
+                                           "no other replica is available")
+            replica = slot.replica
+            seam = state.seam(tried[-1], replica.id, reason)
+            tried.append(replica.id)
+            log.warning("request %s: stream moved from replica %s to %s (%s: %s); "
+                        "%d tokens replayed", stream.request_id, seam.source, seam.target,
+                        reason, broken.detail, seam.replayed_tokens)
+            with slot:
+                outcome = await self._continue(stream, slot, body)
+            if outcome is None:
+                self._metrics.migrations.labels(reason, "migrated").inc()
+                return replica.id
+            self._metrics.migrations.labels(reason, "failed").inc()
+            reason, broken.detail = outcome
+            self._metrics.stream_errors.labels(route, replica.id).inc()
+
+    async def _continue(self, stream: Stream, slot: Slot, body: dict[str, Any]
+                        ) -> tuple[str, str] | None:
+        """One continuation on `slot`; None once the stream ended, or why it broke."""
+        replica = slot.replica
+        data = json.dumps(body, separators=(",", ":")).encode()
+        origin = self._origin(replica.url)
+        head = b"%s\r\nhost: %s\r\n%s" % (_CONTINUATION_LINE, origin.host_header,
+                                          upstream_header_block(stream.scope,
+                                                                stream.request_id, len(data)))
+        config = self._config
+        try:
+            resp = await self._upstream.request(
+                origin, head, data, connect_timeout_s=config.connect_timeout_s,
+                head_timeout_s=config.first_byte_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            return "disconnected", f"continuation not accepted ({type(exc).__name__})"
+        try:
+            slot.outcome = classify(resp.status, None)
+            if resp.status != 200 or resp.content_type != "text/event-stream":
+                return "disconnected", f"continuation answered {resp.status}"
+            try:
+                async with asyncio.timeout(config.first_byte_timeout_s):
+                    first = await resp.readany()
+            except (OSError, TimeoutError) as exc:
+                slot.outcome = classify(None, exc)
+                return "disconnected", f"continuation dropped ({type(exc).__name__})"
+            return await self._pump(stream, resp, slot, first, continuation=True)
+        finally:
+            resp.release()
+
+    async def _pump(self, stream: Stream, resp: UpstreamResponse, slot: Slot, chunk: bytes,
+                    *, continuation: bool) -> tuple[str, str] | None:
+        """Relay events until the upstream ends (None) or breaks (why)."""
+        idle = self._config.stream_idle_timeout_s
+        events = EventFramer(self._config.max_response_bytes)
+        version = stream.version_of(slot.replica)
+        try:
+            while chunk:
+                if whole := events.feed(chunk):
+                    await self._send(stream, whole, version, continuation)
+                events.check()
+                async with asyncio.timeout(idle):
+                    chunk = await resp.readany()
+        except EventTooLarge as exc:
+            slot.outcome = Outcome.SERVER_ERROR
+            await stream.replied.body(sse_error_event(502, f"stream interrupted: {exc}"),
+                                      more=False)
+            return None
+        except (OSError, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            if isinstance(exc, TimeoutError):
+                return "stalled", f"no data for {idle:g} s"
+            return "disconnected", "the replica closed the stream early"
+        if rest := events.rest():
+            await self._send(stream, rest, version, continuation)
+        if not stream.state.closed:  # ended cleanly, yet without its last events
+            slot.outcome = Outcome.DISCONNECTED
+            return "disconnected", "the stream ended before its last token"
+        await stream.replied.body(b"", more=False)
+        return None
+
+    async def _send(self, stream: Stream, events: bytes, version: str | None,
+                    continuation: bool) -> None:
+        out = []
+        for event in events.split(b"\n\n"):
+            event = event.strip(b"\r\n")
+            if not event:
+                continue
+            if event == _DONE:
+                stream.state.closed = True
+            if event == _DONE or not event.startswith(b"data: {"):
+                out.append(event + b"\n\n")
+                continue
+            chunk = json.loads(event[6:])
+            if "error" in chunk:  # the engine's own error: the request's, not the replica's
+                stream.state.done = True
+                out.append(event + b"\n\n")
+                continue
+            mine = stream.state.client_chunk(chunk, continuation=continuation)
+            data = event[6:] if mine is None else json.dumps(mine, separators=(",", ":")).encode()
+            out.append(b"data: " + stream.finish(data, version) + b"\n\n")
+        if out:
+            await stream.replied.body(b"".join(out), more=True)
+
+    def _refused(self, state: StreamState) -> str | None:
+        if len(state.seams) >= self._config.migration_limit:
+            return "limit"
+        if not state.started:
+            return "no_prompt_ids"
+        if state.context_tokens() > self._config.migration_max_tokens:
+            return "max_tokens"
+        return None
+
+    async def _give_up(self, stream: Stream, reason: str, outcome: str, detail: str,
+                       why: str) -> str:
+        self._metrics.migrations.labels(reason, outcome).inc()
+        if outcome == "refused":
+            self._metrics.migration_refusals.labels(why).inc()
+        log.warning("request %s: stream cut (%s), not migrated: %s", stream.request_id,
+                    detail, why)
+        await stream.replied.body(sse_error_event(502, f"stream interrupted: {detail}"),
+                                  more=False)
+        return "none"
+
+    def _ending(self, stream: Stream) -> bytes:
+        """What a finished generation still owed the client: usage if asked, [DONE]."""
+        state = stream.state
+        options = state.body.get("stream_options") or {}
+        out = b""
+        if isinstance(options, dict) and options.get("include_usage") and not state.usage_sent:
+            chunk = state.identity | {
+                "object": "chat.completion.chunk" if state.chat else "text_completion",
+                "choices": [], "usage": state.usage_so_far()}
+            out = self._chunk(stream, chunk)
+        return out + _DONE + b"\n\n"
+
+    @staticmethod
+    def _chunk(stream: Stream, chunk: dict[str, Any]) -> bytes:
+        data = json.dumps(chunk, separators=(",", ":")).encode()
+        return b"data: " + stream.finish(data, None) + b"\n\n"

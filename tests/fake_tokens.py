@@ -1,0 +1,120 @@
+"""The fake engine's token model: greedy generation a test can predict, for migration.
+
+Part of the shared fake engine (`tests.fakes.FakeReplica` with `tokens=True`), kept
+in its own file because it is a small model, not a fault. One token per character
+(`ord`); a chat's prompt is its messages' contents joined by newlines. The next
+token is a function of the whole context, so a continuation given the context
+replayed produces what an uninterrupted run would, exactly as greedy decoding on a
+real engine does. Some tokens are the first half of a character (`HALF + c`): their
+text is held back (the chunk carries the id and empty text) until the second half
+(`WHOLE + c`) comes, like vLLM's detokenizer with a UTF-8 character split across
+tokens. A prompt that ends in a first half makes the continuation's text start with
+garbage, like vLLM's (which printed the prompt again): replaying ids past the text
+the client has is visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+HALF = 0x110000
+WHOLE = 0x220000
+SPLIT_CHAR = "é"
+GARBAGE = "<garbage>"
+
+
+def prompt_ids(body: dict[str, Any]) -> list[int]:
+    if "messages" in body:
+        return [ord(c) for c in "\n".join(m["content"] for m in body["messages"])]
+    prompt = body["prompt"]
+    return list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
+
+
+def next_token(context: list[int]) -> int:
+    last = context[-1] if context else 0
+    if HALF <= last < WHOLE:
+        return last - HALF + WHOLE
+    h = (sum(context) * 31 + len(context)) % 7
+    return HALF + ord(SPLIT_CHAR) if h == 0 else ord("a") + (sum(context) + len(context)) % 26
+
+
+def text_of(token: int) -> str:
+    if token >= WHOLE:
+        return chr(token - WHOLE)
+    return "" if token >= HALF else chr(token)
+
+
+def generate(context: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(context + out))
+    return out
+
+
+def expected_text(body: dict[str, Any], n: int) -> str:
+    """What an uninterrupted greedy run of `n` tokens prints."""
+    return "".join(text_of(t) for t in generate(prompt_ids(body), n))
+
+
+async def stream(request: web.Request, body: dict[str, Any], *, name: str, fingerprint: str,
+                 cut_after: int | None, hang_after: int | None,
+                 delay_s: float) -> web.StreamResponse:
+    """Answer a streaming completion or chat as vLLM 0.32 does with `return_token_ids`.
+    `cut_after` tokens: the connection closes (a replica killed); `hang_after`: nothing
+    more is sent (a stalled engine)."""
+    chat = "messages" in body
+    ids = body.get("return_token_ids") is True
+    prompt = prompt_ids(body)
+    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{name}", "created": 1700000000,
+            "model": body.get("model"),
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+
+    async def send(chunk: dict[str, Any]) -> None:
+        await resp.write(b"data: " + json.dumps(head | chunk).encode() + b"\n\n")
+
+    if chat:
+        await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}],
+                    "prompt_token_ids": prompt if ids else None})
+    garbage = bool(prompt) and HALF <= prompt[-1] < WHOLE
+    context = list(prompt)
+    for i in range(n):
+        if cut_after is not None and i == cut_after:
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        if hang_after is not None and i == hang_after:
+            await asyncio.sleep(3600)
+        token = next_token(context)
+        context.append(token)
+        text = (GARBAGE if garbage and i == 0 else "") + text_of(token)
+        finish = "length" if i == n - 1 else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                                  "token_ids": [token] if ids else None}
+        if chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice |= {"text": text, "stop_reason": None,
+                       "prompt_token_ids": prompt if ids and i == 0 else None}
+        await send({"choices": [choice]})
+        if delay_s:
+            await asyncio.sleep(delay_s)
+    if cut_after is not None and cut_after == n:  # after the last token, before the end
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await send({"choices": [], "usage": {"prompt_tokens": len(prompt),
+                                             "completion_tokens": n,
+                                             "total_tokens": len(prompt) + n},
+                    "system_fingerprint": fingerprint})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

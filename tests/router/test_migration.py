@@ -1,0 +1,196 @@
+"""A stream whose replica dies or stalls mid-way goes on, seamlessly, on another one.
+
+Against the shared fake engine in its token mode (`tests.fake_tokens`): greedy
+output that a test can predict, replicas that close the connection or fall silent
+after k tokens on cue. What a real vLLM does with a replayed context (the same
+tokens) is checked in tests/integration/test_migration.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import running_router
+from tests.fake_tokens import GARBAGE, SPLIT_CHAR, expected_text, generate, prompt_ids
+from tests.waiting import wait_for
+
+COMPLETION = {"model": "fake-model", "prompt": "The quick brown fox", "max_tokens": 12,
+              "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 12, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+async def stream(base: str, route: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
+    """Every event of one streamed answer: parsed chunks, and `[DONE]` as a string."""
+    async with httpx.AsyncClient(timeout=20) as c, c.stream("POST", base + route,
+                                                            json=body) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") async for line in r.aiter_lines()
+                  if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+async def all_ready(router: Any, n: int) -> None:
+    """Every replica in rotation, so that round-robin sends the first request to r0."""
+    await wait_for(lambda: len(router.pool.ready()) == n, f"{n} replicas ready")
+
+
+def text(events: list[dict[str, Any] | str], *, chat: bool = False) -> str:
+    return "".join((c["delta"].get("content") or "") if chat else c["text"]
+                   for e in events if isinstance(e, dict) for c in e.get("choices", []))
+
+
+def final(events: list[dict[str, Any] | str]) -> dict[str, Any]:
+    return next(e for e in events if isinstance(e, dict)
+                and any(c.get("finish_reason") for c in e.get("choices", [])))
+
+
+def usage(events: list[dict[str, Any] | str]) -> dict[str, Any]:
+    return next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage"))
+
+
+@pytest.mark.parametrize("cut_after", [1, 4, 7])
+async def test_a_stream_cut_mid_way_ends_on_another_replica_as_if_nothing_happened(
+        fake_replicas, cut_after):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=cut_after)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-a"}
+    assert usage(events) == {"prompt_tokens": 19, "completion_tokens": 12, "total_tokens": 31}
+    [seam] = final(events)["dpserve"]["migrations"]
+    assert seam["from"] == "r0" and seam["to"] == "r1" and seam["reason"] == "disconnected"
+    continued = b.requests[-1]
+    replayed = len(continued["prompt"]) - 19
+    assert continued["prompt"][:19] == prompt_ids(COMPLETION)
+    assert continued["max_tokens"] == 12 - replayed and replayed <= cut_after
+    assert all(c.get("token_ids") is None for e in events if isinstance(e, dict)
+               for c in e.get("choices", []))  # not asked for: not shown
+
+
+async def test_a_chat_stream_goes_on_as_chat_chunks_with_its_rendered_prompt(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=5)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/chat/completions", CHAT)
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert text(events, chat=True) == expected_text(CHAT, 12)
+    assert {e["object"] for e in chunks} == {"chat.completion.chunk"}
+    assert {e["id"] for e in chunks} == {"chatcmpl-a"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert final(events)["choices"][0]["finish_reason"] == "length"
+    assert usage(events)["completion_tokens"] == 12
+    assert b.seen[-1] == "POST /v1/completions"  # the continuation of a chat is a completion
+    assert b.requests[-1]["prompt"][:8] == prompt_ids(CHAT)
+
+
+async def test_the_seam_never_splits_a_character_the_client_has_not_seen_whole(fake_replicas):
+    tokens = generate(prompt_ids(COMPLETION), 12)
+    half = next(i for i, t in enumerate(tokens) if chr(t % 0x110000) == SPLIT_CHAR)
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=half + 1)  # after a half
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert GARBAGE not in text(events) and text(events) == expected_text(COMPLETION, 12)
+    assert len(b.requests[-1]["prompt"]) == 19 + half  # the half was generated again
+
+
+async def test_a_stalled_stream_moves_after_the_idle_timeout(fake_replicas):
+    a = await fake_replicas("a", tokens=True, hang_after_tokens=3)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin",
+                              stream_idle_timeout_s=0.5) as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert final(events)["dpserve"]["migrations"][0]["reason"] == "stalled"
+    assert 'dpserve_migrations_total{outcome="migrated",reason="stalled"} 1.0' in scrape
+
+
+async def test_a_stream_cut_after_its_last_token_is_finished_by_the_router(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=12)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert text(events) == expected_text(COMPLETION, 12) and events[-1] == "[DONE]"
+    assert usage(events) == {"prompt_tokens": 19, "completion_tokens": 12, "total_tokens": 31}
+    assert b.requests == []  # nothing left to generate
+
+
+async def test_a_second_failure_moves_the_stream_again(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True, cut_after_tokens=2)
+    c = await fake_replicas("c", tokens=True)
+    async with running_router([a.url, b.url, c.url], policy="round-robin") as (base, router):
+        await all_ready(router, 3)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert [(s["from"], s["to"]) for s in final(events)["dpserve"]["migrations"]] == [
+        ("r0", "r1"), ("r1", "r2")]
+    assert usage(events)["completion_tokens"] == 12
+
+
+async def test_past_the_migration_limit_the_stream_ends_with_an_error_event(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True, cut_after_tokens=2)
+    c = await fake_replicas("c", tokens=True)
+    async with running_router([a.url, b.url, c.url], policy="round-robin",
+                              migration_limit=1) as (base, router):
+        await all_ready(router, 3)
+        events = await stream(base, "/v1/completions", COMPLETION)
+        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+    assert "stream interrupted" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    assert c.requests == []
+    assert 'dpserve_migration_refusals_total{reason="limit"} 1.0' in scrape
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"presence_penalty": 0.5}, "penalties"),
+    ({"stop": ["x"]}, "stop_strings"), ({"echo": True}, "echo"),
+    ({"seed": 7, "temperature": 0.8}, "seed"),
+])
+async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_before(
+        fake_replicas, extra, reason):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION | extra)
+        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+    assert "stream interrupted" in events[-2]["error"]["message"]
+    assert "return_token_ids" not in a.requests[-1] and b.requests == []
+    assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in scrape
+
+
+async def test_token_ids_reach_a_client_that_asked_for_them(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=4)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION | {"return_token_ids": True})
+    ids = [t for e in events if isinstance(e, dict) for c in e.get("choices", [])
+           for t in c["token_ids"] or ()]
+    assert ids == generate(prompt_ids(COMPLETION), 12)
+
+
+async def test_migration_off_leaves_streams_as_they_were(fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin",
+                              migration_limit=0) as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert "stream interrupted" in events[-2]["error"]["message"]
+    assert "return_token_ids" not in a.requests[-1]
