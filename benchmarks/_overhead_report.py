@@ -9,7 +9,11 @@ from typing import Any, NamedTuple
 
 from _overhead_measure import Env, Stats, TargetResult
 
-TARGETS = ("direct", "dpserve", "vllm-router")
+TARGETS = ("direct", "dpserve", "dpserve-no-migration", "vllm-router")
+"""`dpserve-no-migration` (`--migration-off-too`): dpserve with `--migration-limit 0`."""
+TARGET_MIGRATION_CPU_RATIO = 1.15
+"""Router CPU per streamed request with stream migration on (token ids tracked) over
+off, at most."""
 TARGET_THROUGHPUT_RATIO = 0.5
 """dpserve's req/s at c=C as a fraction of vllm-router's, at least."""
 TARGET_ADDED_P50_MS = 0.3
@@ -141,7 +145,8 @@ def table_rows(args: argparse.Namespace, results: dict[str, TargetResult]) -> li
 def render(rows: list[Row], names: list[str]) -> str:
     """Sections down, targets across, then dpserve/vllm-router."""
     ratio = "dpserve" in names and "vllm-router" in names
-    header = f"{'case':<22} {'metric':<24}" + "".join(f" {n:>11}" for n in names)
+    widths = {n: max(11, len(n)) for n in names}
+    header = f"{'case':<22} {'metric':<24}" + "".join(f" {n:>{widths[n]}}" for n in names)
     header += f" {'dpserve/vllm-router':>20}" if ratio else ""
     lines = [header, "-" * len(header)]
     previous = ""
@@ -150,7 +155,7 @@ def render(rows: list[Row], names: list[str]) -> str:
         line = f"{row.section if row.section != previous else '':<22} {row.metric:<24}"
         for n in names:
             v = row.values.get(n)
-            line += f" {'-' if v is None else format(v, spec):>11}"
+            line += f" {'-' if v is None else format(v, spec):>{widths[n]}}"
         if ratio:
             a, b = row.values.get("dpserve"), row.values.get("vllm-router")
             shown = f"{a / b:.2f}x" if row.ratio and a is not None and b and b > 0 else "-"
@@ -195,6 +200,15 @@ def verdicts(args: argparse.Namespace, results: dict[str, TargetResult]) -> dict
             "coalesced_ratio": mine.coalesced_ratio, "direct_coalesced_ratio": base.coalesced_ratio,
             "target_ms": TARGET_CHUNK_DELAY_MS,
         }
+    on, off = (_case(results.get(n), "stream_cN", "router_cpu_us_per_req")
+               for n in ("dpserve", "dpserve-no-migration"))
+    if on is None or not off:
+        out["migration_cost"] = {"verdict": "N/A", "why": "--migration-off-too not given"}
+    else:
+        out["migration_cost"] = {
+            "verdict": "PASS" if on / off <= TARGET_MIGRATION_CPU_RATIO else "FAIL",
+            "on_us": on, "off_us": off, "ratio": on / off,
+            "target_ratio": TARGET_MIGRATION_CPU_RATIO}
     return out
 
 
@@ -248,6 +262,12 @@ def _verdict_line(key: str, v: dict[str, Any]) -> str:
     if key == "added_latency":
         shown = "-" if v["added_p50_ms"] is None else f"{v['added_p50_ms']:+.3f} ms"
         return f"added p50 latency at c=1 <= {v['target_ms']:.1f} ms: dpserve {shown} -> {verdict}"
+    if key == "migration_cost":
+        if verdict == "N/A":
+            return f"stream migration cost: N/A ({v['why']})"
+        return (f"router CPU per streamed request, migration on / off <= "
+                f"{v['target_ratio']:.2f}x: {v['on_us']:,.0f} / {v['off_us']:,.0f} us = "
+                f"{v['ratio']:.2f}x -> {verdict}")
     if verdict == "N/A":
         return f"no per-chunk buffering: N/A ({v['why']})"
     return (f"no per-chunk buffering (<= {v['target_ms']:.1f} ms per chunk, no extra coalescing):"

@@ -107,9 +107,12 @@ def build_bodies(model: str, chunks: int) -> FixedBodies:
         )
 
     def chat_chunk(i: int) -> bytes:
+        # With vLLM's `return_token_ids` fields (the router asks for them to migrate
+        # streams), so that the router's work on them is measured.
         last = i == chunks - 1
         delta = {"role": "assistant", "content": f" t{i}"} if i == 0 else {"content": f" t{i}"}
-        choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+        choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None,
+                  "token_ids": [100 + i]}
         return _sse(
             {
                 "id": "chatcmpl-fixed",
@@ -117,6 +120,7 @@ def build_bodies(model: str, chunks: int) -> FixedBodies:
                 "created": 0,
                 "model": model,
                 "choices": [choice],
+                "prompt_token_ids": [1, 2, 3, 4] if i == 0 else None,
             }
         )
 

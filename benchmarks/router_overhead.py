@@ -127,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="load generator (auto: wrk when installed)")
     add("--no-pin", action="store_true", help="do not pin processes to cores")
     add("--no-vllm-router", action="store_true", help="do not measure vllm-router")
+    add("--migration-off-too", action="store_true",
+        help="also measure dpserve with stream migration off (--migration-limit 0): what "
+             "tracking every stream's token ids costs")
     add("--vllm-router-spec", default=VLLM_ROUTER_SPEC, help="pip spec installed when absent")
     add("--vllm-router-policy", default="round_robin", help="vllm-router --policy")
     add("--router-cmd", default=DEFAULT_ROUTER_CMD,
@@ -250,9 +253,11 @@ def router_starter(
             return None
         port, metrics_port = free_ports(2)
         cwd = None
-        if name == "dpserve":
+        if name.startswith("dpserve"):
             cwd = src
             argv = router_argv(args.router_cmd, upstreams, port, cwd)
+            if name == "dpserve-no-migration":
+                argv += ["--migration-limit", "0"]
             ready = args.ready_path
         else:
             assert env.vllm_router is not None
@@ -307,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench = Bench(args=args, env=env, conn=parent_conn, work_dir=work_dir,
                       services=services, start_router=router_starter(args, env, work_dir,
                                                                      services))
-        names = [n for n in TARGETS if n != "vllm-router" or env.vllm_router is not None]
+        names = [n for n in TARGETS if (n != "vllm-router" or env.vllm_router is not None)
+                 and (n != "dpserve-no-migration" or args.migration_off_too)]
         rounds: dict[str, list[TargetResult]] = {n: [] for n in names}
         for i in range(args.rounds):
             for name in names:

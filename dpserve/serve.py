@@ -182,6 +182,7 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
                     adapters=adapters.adapters,
                     admit=Admission(then=adapters.admit) if warm_up else adapters.admit)
     rollout.traffic = router.dispatcher
+    rollout.streams = router.dispatcher.streams
     return router, rollout
 
 

@@ -21,8 +21,9 @@ from dpserve.rollout import quality
 from dpserve.rollout.canary_phase import Traffic, run_canary
 from dpserve.rollout.deployed import Weights
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
-from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase
+from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase, ReplicaProgress
 from dpserve.router.adapters import VERSION_SEP
+from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class _Untouched(Exception):
     """A replica failed before anything about it changed (its pre-check canary)."""
 
 
+EVICTED_LEAVE_S = 5.0
+"""How long the streams moved off a drained replica may take to leave it."""
+
+
 class Convergence:
     """One deploy's convergence of the replicas; `forward`, then `rollback` on failure.
 
@@ -64,8 +69,11 @@ class Convergence:
                  client: httpx.AsyncClient, *, restarter: Restarter | None,
                  metrics: RouterMetrics | None, reload_timeout_s: float,
                  hot_loading: set[str], lock_lost: Callable[[], str | None],
-                 gate: Gate | None = None, traffic: Traffic | None = None) -> None:
+                 gate: Gate | None = None, traffic: Traffic | None = None,
+                 streams: LiveStreams | None = None) -> None:
         self.pool = pool
+        self._streams = streams
+        """The router's migratable streams: moved off a replica drained past its deadline."""
         self._gate = gate
         self._traffic = traffic if options.canary_weight is not None else None
         """Split for the first replica updated, once it serves again (`canary_phase`)."""
@@ -206,6 +214,8 @@ class Convergence:
                 self.pool.set_state(replica, ReplicaState.DRAINING, reason)
             if replica.state is ReplicaState.DRAINING:
                 idle = await self.pool.wait_idle(replica, self.options.drain_deadline_s)
+                if not idle and self._streams is not None:
+                    idle = await self._move_streams(replica, rp, strict)
                 if strict and not idle:
                     if not admin_drained:
                         self.pool.set_state(replica, ReplicaState.READY,
@@ -241,6 +251,22 @@ class Convergence:
         if self._traffic is not None and not rollback and replica.state is ReplicaState.READY:
             traffic, self._traffic = self._traffic, None  # once, on the first replica
             await run_canary(traffic, replica, self.options, self.progress)
+
+    async def _move_streams(self, replica: Replica, rp: ReplicaProgress, strict: bool) -> bool:
+        """Move the streams still on a drained replica to others; whether it is idle
+        then. Moved to a replica on other weights, a stream mixes versions: counted,
+        and not done at all under no_mixed_versions."""
+        same = any(r is not replica and r.weight_version == replica.weight_version
+                   for r in self.pool.ready())
+        if strict and not same:
+            return False
+        assert self._streams is not None
+        rp.migrated = self._streams.evict(replica.id)
+        if not same:
+            rp.mixed += rp.migrated
+        if not rp.migrated:
+            return False
+        return await self.pool.wait_idle(replica, EVICTED_LEAVE_S)
 
     async def _evaluate(self, gate: Gate, replica: Replica, model: str) -> None:
         """Score the eval set on `replica` (updated, out of rotation) and, for the

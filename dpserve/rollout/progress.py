@@ -202,13 +202,16 @@ class ReplicaProgress:
     """Requests this router had in flight on the replica when it was paused: each
     resumes on the new weights, so its response may mix two versions (at most this
     many: one already generated and still being sent did not)."""
+    migrated: int = 0
+    """Streams still running at the drain deadline, moved to other replicas."""
     note: str | None = None
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "phase": self.phase.value, "from_version": self.from_version,
                 "version": self.version, "seconds": self.seconds, "steps": dict(self.steps),
-                "mixed_versions": self.mixed, "note": self.note, "error": self.error}
+                "mixed_versions": self.mixed, "migrated_streams": self.migrated,
+                "note": self.note, "error": self.error}
 
 
 @dataclass

@@ -79,6 +79,7 @@ from dpserve.rollout.validate import (
     validate_checkpoint,
 )
 from dpserve.router.adapters import AdapterVersion
+from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class Rollout:
         self._lock_lost: str | None = None
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
+        self.streams: LiveStreams | None = None
+        """The router's migratable streams (set by `compose`)."""
         """Why the deploy lock was lost during the deploy in progress, if it was."""
         self._recent: collections.deque[str] = collections.deque(maxlen=2)
         """Snapshots most recently deployed (kept by the store's prune for rollbacks)."""
@@ -335,7 +338,7 @@ class Rollout:
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
                     hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost,
-                    gate=gate, traffic=self.traffic)
+                    gate=gate, traffic=self.traffic, streams=self.streams)
                 error = await convergence.forward(target)
                 if error is None:
                     if self.deployed_link is not None:

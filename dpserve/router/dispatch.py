@@ -33,6 +33,7 @@ from dpserve.router.admission import (
 from dpserve.router.breaker import CircuitBreaker, Outcome, Permit
 from dpserve.router.canary import CanarySplit
 from dpserve.router.errors import RouterError
+from dpserve.router.live import LiveStreams
 from dpserve.router.policies import Policy, RequestInfo
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
@@ -102,6 +103,8 @@ class Dispatcher:
                                     timeout_s=config.queue_timeout_s)
         self.canary: CanarySplit | None = None
         """Set by a deploy's canary phase: a share of new requests for one replica."""
+        self.streams = LiveStreams()
+        """The migratable streams on each replica (a drain can move them)."""
         pool.on_state_change(self._on_state_change)
 
     @property

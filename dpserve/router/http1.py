@@ -122,6 +122,11 @@ class UpstreamResponse:
         else:
             conn.close()
 
+    def interrupt(self, error: BaseException) -> None:
+        """End the body with `error` for its reader (what arrived before still comes
+        first); `release` then closes the connection, so the replica aborts it."""
+        self._fail(error)
+
     # -- fed by the connection ---------------------------------------------------------
 
     def _drain(self) -> Iterable[bytes]:

@@ -27,10 +27,11 @@ from dpserve.router.asgi import ReplyTracker, Scope, upstream_header_block
 from dpserve.router.breaker import Outcome, classify
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import sse_error_event
+from dpserve.router.live import Evicted
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.migrate import StreamState, continuation
 from dpserve.router.policies import RequestInfo
-from dpserve.router.pool import Replica
+from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
 
@@ -45,7 +46,7 @@ class Broken:
     """A stream whose replica failed after the client started getting it."""
 
     reason: str
-    """`disconnected` or `stalled`: the metric's label."""
+    """`disconnected`, `stalled` or `drained`: the metric's label."""
     detail: str
     status: int
     """The status the client was sent (the stream's)."""
@@ -64,12 +65,15 @@ class Stream:
     """The version that answers on a replica (adapter or base weights)."""
     finish: Callable[[bytes, str | None], bytes]
     """An outgoing chunk as the client gets it (model renamed, fingerprint set)."""
+    version: str | None = None
+    """The weights it began on: a continuation prefers replicas serving them."""
 
 
 class Migrator:
-    def __init__(self, *, dispatcher: Dispatcher, upstream: UpstreamPool,
+    def __init__(self, *, pool: ReplicaPool, dispatcher: Dispatcher, upstream: UpstreamPool,
                  origin: Callable[[str], Origin], config: RouterConfig,
                  metrics: RouterMetrics) -> None:
+        self._pool = pool
         self._dispatch = dispatcher
         self._upstream = upstream
         self._origin = origin
@@ -80,21 +84,26 @@ class Migrator:
                     first: bytes) -> int | Broken:
         """Forward one upstream stream whose first chunk is `first` (the client's
         response has started); its status, or Broken to be resumed elsewhere."""
+        stream.version = stream.version_of(slot.replica)
         broken = await self._pump(stream, resp, slot, first, continuation=False)
         return resp.status if broken is None else Broken(*broken, status=resp.status)
 
     async def resume(self, stream: Stream, broken: Broken, tried: list[str]) -> str:
         """Carry `stream` on after `broken`; the id of the replica that ended it
-        (`none` if none could)."""
-        state, route = stream.state, "/v1/completions"
-        reason = broken.reason
+        (`none` if none could). `tried` holds the replicas it broke on (not taken
+        again) and, last, the one it broke on now; a drained one may be taken again
+        once it serves (it did not fail)."""
+        state = stream.state
+        reason, detail, source = broken.reason, broken.detail, tried[-1]
         while True:
+            if reason == "drained" and source in tried:
+                tried.remove(source)
             if state.done:  # only the ending was lost: the router writes it
                 await stream.replied.body(self._ending(stream), more=False)
-                return tried[-1]
+                return source
             why = self._refused(state)
             if why is not None:
-                return await self._give_up(stream, reason, "refused", broken.detail, why)
+                return await self._give_up(stream, reason, "refused", detail, why)
             state.rewind()
             body = continuation(state)
             if body is None:  # every token came; only the finish chunk was lost
@@ -102,28 +111,39 @@ class Migrator:
                 await stream.replied.body(last, more=True)
                 continue
             try:
-                slot = await self._dispatch.choose(stream.info, tried)
+                slot = await self._choose(stream, [*tried, source])
             except Unavailable:
-                return await self._give_up(stream, reason, "failed", broken.detail,
+                return await self._give_up(stream, reason, "failed", detail,
                                            "no other replica is available")
             replica = slot.replica
-            seam = state.seam(tried[-1], replica.id, reason)
             tried.append(replica.id)
-            log.warning("request %s: stream moved from replica %s to %s (%s: %s); "
-                        "%d tokens replayed", stream.request_id, seam.source, seam.target,
-                        reason, broken.detail, seam.replayed_tokens)
             with slot:
-                outcome = await self._continue(stream, slot, body)
+                outcome = await self._continue(stream, slot, body, source, reason, detail)
             if outcome is None:
-                self._metrics.migrations.labels(reason, "migrated").inc()
                 return replica.id
-            self._metrics.migrations.labels(reason, "failed").inc()
-            reason, broken.detail = outcome
-            self._metrics.stream_errors.labels(route, replica.id).inc()
+            started, why_broken, detail = outcome
+            if started:  # it moved, then broke again: a new break on a new replica
+                self._metrics.stream_errors.labels("/v1/completions", replica.id).inc()
+                reason, source = why_broken, replica.id
+            else:
+                self._metrics.migrations.labels(reason, "failed").inc()
 
-    async def _continue(self, stream: Stream, slot: Slot, body: dict[str, Any]
-                        ) -> tuple[str, str] | None:
-        """One continuation on `slot`; None once the stream ended, or why it broke."""
+    async def _choose(self, stream: Stream, tried: list[str]) -> Slot:
+        """A replica not tried yet, on the weights the stream began on if one is ready
+        (mid-deploy, a continuation elsewhere would mix two versions)."""
+        other = [r.id for r in self._pool.ready()
+                 if r.id not in tried and stream.version_of(r) != stream.version]
+        if other and len(other) < len([r for r in self._pool.ready() if r.id not in tried]):
+            try:
+                return await self._dispatch.choose(stream.info, [*tried, *other])
+            except Unavailable:
+                pass  # those are failing: any version beats a broken stream
+        return await self._dispatch.choose(stream.info, tried)
+
+    async def _continue(self, stream: Stream, slot: Slot, body: dict[str, Any], source: str,
+                        reason: str, detail: str) -> tuple[bool, str, str] | None:
+        """One continuation on `slot`; None once the stream ended, else whether it
+        had started (then: it broke again), why and what happened."""
         replica = slot.replica
         data = json.dumps(body, separators=(",", ":")).encode()
         origin = self._origin(replica.url)
@@ -137,18 +157,24 @@ class Migrator:
                 head_timeout_s=config.first_byte_timeout_s)
         except (OSError, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
-            return "disconnected", f"continuation not accepted ({type(exc).__name__})"
+            return False, reason, f"{detail}; continuation not accepted ({type(exc).__name__})"
         try:
             slot.outcome = classify(resp.status, None)
             if resp.status != 200 or resp.content_type != "text/event-stream":
-                return "disconnected", f"continuation answered {resp.status}"
+                return False, reason, f"{detail}; continuation answered {resp.status}"
             try:
                 async with asyncio.timeout(config.first_byte_timeout_s):
                     first = await resp.readany()
             except (OSError, TimeoutError) as exc:
                 slot.outcome = classify(None, exc)
-                return "disconnected", f"continuation dropped ({type(exc).__name__})"
-            return await self._pump(stream, resp, slot, first, continuation=True)
+                return False, reason, f"{detail}; continuation dropped ({type(exc).__name__})"
+            seam = stream.state.seam(source, replica.id, reason)
+            self._metrics.migrations.labels(reason, "migrated").inc()
+            log.warning("request %s: stream moved from replica %s to %s (%s: %s); "
+                        "%d tokens replayed", stream.request_id, source, replica.id,
+                        reason, detail, seam.replayed_tokens)
+            broken = await self._pump(stream, resp, slot, first, continuation=True)
+            return None if broken is None else (True, *broken)
         finally:
             resp.release()
 
@@ -159,17 +185,22 @@ class Migrator:
         events = EventFramer(self._config.max_response_bytes)
         version = stream.version_of(slot.replica)
         try:
-            while chunk:
-                if whole := events.feed(chunk):
-                    await self._send(stream, whole, version, continuation)
-                events.check()
-                async with asyncio.timeout(idle):
-                    chunk = await resp.readany()
+            with self._dispatch.streams.running(
+                    slot.replica.id, resp, lambda: self._refused(stream.state) is None):
+                while chunk:
+                    if whole := events.feed(chunk):
+                        await self._send(stream, whole, version, continuation)
+                    events.check()
+                    async with asyncio.timeout(idle):
+                        chunk = await resp.readany()
         except EventTooLarge as exc:
             slot.outcome = Outcome.SERVER_ERROR
             await stream.replied.body(sse_error_event(502, f"stream interrupted: {exc}"),
                                       more=False)
             return None
+        except Evicted as exc:
+            slot.outcome = Outcome.ABORTED  # the router's doing: no mark on the replica
+            return "drained", str(exc)
         except (OSError, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
             if isinstance(exc, TimeoutError):

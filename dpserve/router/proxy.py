@@ -140,7 +140,7 @@ class ProxyEndpoint:
         self._first_byte = metrics.time_to_first_byte.labels(route)
         self._counted: dict[tuple[str, int], Any] = {}
         self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
-        self._migrator = Migrator(dispatcher=dispatcher, upstream=upstream,
+        self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)
 
     def _origin(self, base: str) -> Origin:

@@ -9,6 +9,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -269,15 +271,48 @@ def test_a_frozen_replica_is_taken_out_and_its_stream_times_out(deployment):
                   within_s=60)
 
 
+def greedy_stream(d: Deployment, on_chunk: Callable[[int], None] | None = None,
+                  ) -> tuple[str, list[dict[str, Any]]]:
+    """A long greedy completion streamed through the openai client: its text, and the
+    router's migration notes from the final chunk. `on_chunk(n)` after each chunk."""
+    text = ""
+    seams: list[dict[str, Any]] = []
+    stream = client(d).completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=240, temperature=0,
+        stream=True)
+    for n, chunk in enumerate(stream, 1):
+        text += "".join(c.text for c in chunk.choices)
+        seams = (chunk.model_extra or {}).get("dpserve", {}).get("migrations", seams)
+        if on_chunk is not None:
+            on_chunk(n)
+    return text, seams
+
+
 def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deployment):
-    """Runs last in this module: it takes r0 away for the length of a vLLM restart."""
+    """Runs last in this module: it takes r0 away for the length of a vLLM restart.
+    A greedy stream on r0 when it dies goes on on r1 and prints exactly what it
+    would have; the non-streaming requests on r0 are retried on r1."""
     old_pid, _ = deployment.replicas()["r0"]
-    with BackgroundLoad(deployment.base_url) as load:
-        wait_for_sync(lambda: load.served_by("r0") >= 3, "load to reach r0", within_s=120)
-        os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
-        after_kill = len(load.results)
-        wait_for_sync(lambda: len(load.results) >= after_kill + 9, "requests after the kill",
-                      within_s=120)
+    expected, _ = greedy_stream(deployment)
+    admin = deployment.base_url + "/admin/replicas/"
+    httpx.post(admin + "r1/drain", timeout=10).raise_for_status()  # load and stream on r0
+
+    def kill_r0_mid_stream(n: int) -> None:
+        if n == 8:
+            httpx.post(admin + "r1/undrain", timeout=10).raise_for_status()
+            os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
+
+    try:
+        with BackgroundLoad(deployment.base_url) as load:
+            wait_for_sync(lambda: load.served_by("r0") >= 3, "load to reach r0", within_s=120)
+            after_kill = len(load.results)
+            streamed, seams = greedy_stream(deployment, kill_r0_mid_stream)
+            wait_for_sync(lambda: len(load.results) >= after_kill + 9,
+                          "requests after the kill", within_s=120)
+    finally:
+        httpx.post(admin + "r1/undrain", timeout=10)
+    assert [(s["from"], s["to"]) for s in seams] == [("r0", "r1")], seams
+    assert streamed == expected  # token for token: the replayed context, re-prefilled
     assert load.failures() == []  # requests on r0 when it died were retried on r1
     assert replica_state(deployment, "r0") in ("down", "starting")
     # SIGKILL is delivered at once, but tearing down a 3 GB process takes a moment.

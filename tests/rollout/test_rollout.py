@@ -5,6 +5,7 @@ vLLM replicas are covered in tests/integration/test_deploy.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -14,9 +15,11 @@ from dpserve import checkpoint as ckpt
 from dpserve.rollout.deployed import weights_for
 from dpserve.router.adapters import AdapterVersion
 from dpserve.router.pool import ReplicaState
+from tests import fake_tokens
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_adapter, write_variant
 from tests.rollout.fleet import HOT_LOAD, deploy, fleet, take_down
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +361,31 @@ async def test_no_mixed_versions_is_refused_for_a_lone_replica_or_a_non_boolean(
         bad, body = await deploy(f, checkpoints[0], no_mixed_versions="yes")
         assert bad == 400 and body["error"]["param"] == "no_mixed_versions"
         assert f.versions() == [weights_for(str(tiny_model)).version]
+
+
+async def test_a_stream_still_running_at_the_drain_deadline_moves_to_another_replica(
+        fake_replicas, tiny_model, checkpoints):
+    """The shared fake engine's token mode: its streams can be continued elsewhere.
+    Moved first to r1 (still on the old weights: no mixing), then, when r1's turn
+    comes, back to r0 (on the new weights: counted as mixing versions)."""
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 60, "stream": True,
+            "temperature": 0}
+    async with fleet(fake_replicas, tiny_model, 2, tokens=True, chunk_delay_s=0.05,
+                     policy="round-robin") as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        await wait_for(lambda: len(f.router.pool.ready()) == 2, "both replicas ready")
+        stream = asyncio.create_task(c.post("/v1/completions", json=body))
+        await wait_for(lambda: f.router.pool.get("r0").in_flight, "the stream on r0")
+        status, record = await deploy(f, checkpoints[0], drain_wait_s=0.2)
+        answer = await stream
+    assert status == 202 and record["state"] == "succeeded", record
+    moved = {r["id"]: (r["migrated_streams"], r["mixed_versions"]) for r in record["replicas"]}
+    assert moved == {"r0": (1, 0), "r1": (1, 1)}
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
+              if line.startswith("data: {")]
+    assert all("choices" in e for e in chunks), chunks[-3:]
+    assert "".join(c["text"] for e in chunks for c in e["choices"]) == \
+        fake_tokens.expected_text(body, 60)
+    seams = next(e["dpserve"]["migrations"] for e in chunks if "dpserve" in e)
+    assert [(s["from"], s["to"], s["reason"]) for s in seams] == [
+        ("r0", "r1", "drained"), ("r1", "r0", "drained")]

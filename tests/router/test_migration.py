@@ -8,12 +8,14 @@ tokens) is checked in tests/integration/test_migration.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import httpx
 import pytest
 
+from dpserve.router.pool import ReplicaState
 from tests.conftest import running_router
 from tests.fake_tokens import GARBAGE, SPLIT_CHAR, expected_text, generate, prompt_ids
 from tests.waiting import wait_for
@@ -33,6 +35,11 @@ async def stream(base: str, route: str, body: dict[str, Any]) -> list[dict[str, 
         events = [line.removeprefix("data: ") async for line in r.aiter_lines()
                   if line.startswith("data: ")]
     return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+async def scrape(base: str) -> str:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(base + "/metrics")).text
 
 
 async def all_ready(router: Any, n: int) -> None:
@@ -112,10 +119,10 @@ async def test_a_stalled_stream_moves_after_the_idle_timeout(fake_replicas):
                               stream_idle_timeout_s=0.5) as (base, router):
         await all_ready(router, 2)
         events = await stream(base, "/v1/completions", COMPLETION)
-        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+        metrics = await scrape(base)
     assert text(events) == expected_text(COMPLETION, 12)
     assert final(events)["dpserve"]["migrations"][0]["reason"] == "stalled"
-    assert 'dpserve_migrations_total{outcome="migrated",reason="stalled"} 1.0' in scrape
+    assert 'dpserve_migrations_total{outcome="migrated",reason="stalled"} 1.0' in metrics
 
 
 async def test_a_stream_cut_after_its_last_token_is_finished_by_the_router(fake_replicas):
@@ -150,10 +157,10 @@ async def test_past_the_migration_limit_the_stream_ends_with_an_error_event(fake
                               migration_limit=1) as (base, router):
         await all_ready(router, 3)
         events = await stream(base, "/v1/completions", COMPLETION)
-        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+        metrics = await scrape(base)
     assert "stream interrupted" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
     assert c.requests == []
-    assert 'dpserve_migration_refusals_total{reason="limit"} 1.0' in scrape
+    assert 'dpserve_migration_refusals_total{reason="limit"} 1.0' in metrics
 
 
 @pytest.mark.parametrize(("extra", "reason"), [
@@ -168,10 +175,10 @@ async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_bef
     async with running_router([a.url, b.url], policy="round-robin") as (base, router):
         await all_ready(router, 2)
         events = await stream(base, "/v1/completions", COMPLETION | extra)
-        scrape = (await httpx.AsyncClient().get(base + "/metrics")).text
+        metrics = await scrape(base)
     assert "stream interrupted" in events[-2]["error"]["message"]
     assert "return_token_ids" not in a.requests[-1] and b.requests == []
-    assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in scrape
+    assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in metrics
 
 
 async def test_token_ids_reach_a_client_that_asked_for_them(fake_replicas):
@@ -194,3 +201,23 @@ async def test_migration_off_leaves_streams_as_they_were(fake_replicas):
         events = await stream(base, "/v1/completions", COMPLETION)
     assert "stream interrupted" in events[-2]["error"]["message"]
     assert "return_token_ids" not in a.requests[-1]
+
+
+async def test_a_stream_moved_off_a_drained_replica_goes_where_its_weights_are(
+        fake_replicas):
+    fakes = [await fake_replicas(n, tokens=True, chunk_delay_s=0.02) for n in "abc"]
+    async with running_router([f.url for f in fakes], policy="round-robin") as (base, router):
+        await all_ready(router, 3)
+        for rid, version in (("r0", "v1"), ("r1", "v2"), ("r2", "v1")):
+            router.pool.get(rid).weight_version = version
+        task = asyncio.create_task(stream(base, "/v1/completions", COMPLETION | {
+            "max_tokens": 40}))
+        await wait_for(lambda: router.dispatcher.streams.movable("r0"),
+                       "the stream on r0, its prompt ids known")
+        router.pool.set_state(router.pool.get("r0"), ReplicaState.DRAINING, "test")
+        assert router.dispatcher.streams.evict("r0") == 1
+        events = await task
+    assert text(events) == expected_text(COMPLETION, 40)
+    [seam] = final(events)["dpserve"]["migrations"]
+    assert (seam["from"], seam["to"], seam["reason"]) == ("r0", "r2", "drained")
+    assert router.dispatcher.breaker(router.pool.get("r0")).consecutive_failures == 0
