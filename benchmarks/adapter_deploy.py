@@ -9,9 +9,9 @@ per round plus one for warm-up; `export_merged` (what `dpserve export-merged ADA
 OUTPUT` runs) folds each round's adapter into full weights. Each round, under load:
 
 - **adapter** — `dpserve deploy ADAPTER --name NAME`'s path (`Rollout.start(..., name=)`):
-  snapshot and check, load the version into every replica at once (nothing pauses,
-  no replica leaves rotation), switch NAME to it; the version it replaces is unloaded
-  once its last request has ended;
+  snapshot and check, load the version into the replicas one at a time (nothing
+  pauses; new requests avoid the replica loading while another can take them), switch
+  NAME to it; the version it replaces is unloaded once its last request has ended;
 - **full** — `dpserve deploy MERGED`'s path: the same fine-tune merged, hot-loaded
   replica by replica (drain, pause, reload, reset the prefix cache, resume, canary).
 
@@ -32,7 +32,7 @@ start pays one-time set-up (vLLM's adapter path; the canary's logprobs, see roll
 
 Per deploy: wall time from the request to done (`validate`: snapshot and checks, until
 `Rollout.start` returns; `apply`: the rest), each replica's time out of rotation (full
-only: an adapter's record has none, every replica loads at once and keeps serving),
+only: an adapter's record has none, every replica keeps serving while it loads),
 requests that failed or came back aborted while it ran, and TTFT p50/p99 in the deploy
 window against the steady window just before it (see `_deploy_windows`). Ends with
 median full time / median adapter time (target >= 10x) and the p99 TTFT each kind of

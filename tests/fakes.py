@@ -56,7 +56,8 @@ class FakeReplica:
     mode: str = "ok"
     """ok | error400 | error500 | error503 | drop (close before answering)
     | cut (stream 2 chunks and half of a third, then close: a replica killed mid-event)
-    | hang (answer nothing; streams hang after their first chunk)"""
+    | hang (answer nothing; streams hang after their first chunk)
+    | mute (answer nothing, streams included: a stopped server that still accepts)"""
     chunks: int = 4
     chunk_delay_s: float = 0.0
     requests: list[dict] = field(default_factory=list)
@@ -264,7 +265,7 @@ class FakeReplica:
             request.transport.close()
             await asyncio.sleep(1)
             raise web.HTTPInternalServerError
-        if self.mode == "hang" and not body.get("stream"):
+        if self.mode == "mute" or (self.mode == "hang" and not body.get("stream")):
             await asyncio.sleep(3600)
         if self.tokens and body.get("stream"):
             return await fake_tokens.stream(

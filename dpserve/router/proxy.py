@@ -308,10 +308,15 @@ class ProxyEndpoint:
         stream = ex.stream
         origin = self._origin(replica.url)
         head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (ex.line, origin.host_header, ex.headers)
+        # vLLM answers a stream's head as soon as it has taken the request (its tokens
+        # follow): a stream with no head after the idle timeout met a stuck server.
+        head_s = self._config.first_byte_timeout_s
+        if stream:
+            head_s = min(head_s, self._config.stream_idle_timeout_s)
         try:
             resp = await self._upstream.request(
                 origin, head, ex.body, connect_timeout_s=self._config.connect_timeout_s,
-                head_timeout_s=self._config.first_byte_timeout_s)
+                head_timeout_s=head_s)
         except (*_UNREACHABLE, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
             if slot.outcome is Outcome.CONNECT_FAILED:
@@ -322,8 +327,8 @@ class ProxyEndpoint:
                 return f"no connection within {self._config.connect_timeout_s:g} s"
             if slot.outcome is Outcome.DISCONNECTED:
                 return f"connection dropped before the response ({type(exc).__name__})"
-            reason = f"no response within {self._config.first_byte_timeout_s:g} s"
-            if self._retry(slot, stream, last):
+            reason = f"no response within {head_s:g} s"
+            if self._retry(slot, stream, last) or (stream and not last):
                 return reason
             raise RouterError(504, f"replica {replica.id} sent {reason}") from None
         try:

@@ -34,7 +34,8 @@ def is_retryable(outcome: Outcome, *, status: int | None = None, bytes_sent_to_c
     timeout waiting for the response only when not streaming — vLLM answers a
     streaming request's headers at once, so a stream that times out before its
     first token was accepted by a replica that is slow, not broken, and its
-    twin would queue just the same.
+    twin would queue just the same. (A stream whose *headers* do not come within
+    the stream idle timeout met a stuck server: the proxy retries that itself.)
     """
     if bytes_sent_to_client:
         return False

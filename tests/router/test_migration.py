@@ -221,3 +221,15 @@ async def test_a_stream_moved_off_a_drained_replica_goes_where_its_weights_are(
     [seam] = final(events)["dpserve"]["migrations"]
     assert (seam["from"], seam["to"], seam["reason"]) == ("r0", "r2", "drained")
     assert router.dispatcher.breaker(router.pool.get("r0")).consecutive_failures == 0
+
+
+async def test_a_stream_without_a_head_within_the_idle_timeout_goes_elsewhere(fake_replicas):
+    """A stopped engine (SIGSTOP) still accepts connections: only a timeout tells."""
+    a = await fake_replicas("a", mode="mute")
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin",
+                              stream_idle_timeout_s=0.5) as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION)
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert len(a.requests) == 1 and len(b.requests) == 1
