@@ -69,7 +69,8 @@ def refusal(body: dict[str, Any], *, chat: bool) -> str | None:
         return "echo"
     if _nonzero(body.get("presence_penalty")) or _nonzero(body.get("frequency_penalty")):
         return "penalties"
-    if (body.get("logprobs") not in (None, False) or body.get("top_logprobs")
+    logprobs = body.get("logprobs")  # completions: 0 asks for the chosen token's
+    if ((logprobs is not None and logprobs is not False) or body.get("top_logprobs")
             or body.get("prompt_logprobs") is not None):
         return "logprobs"
     response_format = body.get("response_format")
