@@ -170,9 +170,10 @@ class Migrator:
                 return False, reason, f"{detail}; continuation dropped ({type(exc).__name__})"
             seam = stream.state.seam(source, replica.id, reason)
             self._metrics.migrations.labels(reason, "migrated").inc()
-            log.warning("request %s: stream moved from replica %s to %s (%s: %s); "
-                        "%d tokens replayed", stream.request_id, source, replica.id,
-                        reason, detail, seam.replayed_tokens)
+            log.log(logging.INFO if reason == "drained" else logging.WARNING,
+                    "request %s: stream moved from replica %s to %s (%s: %s); "
+                    "%d tokens replayed", stream.request_id, source, replica.id,
+                    reason, detail, seam.replayed_tokens)
             broken = await self._pump(stream, resp, slot, first, continuation=True)
             return None if broken is None else (True, *broken)
         finally:
