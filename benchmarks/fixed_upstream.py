@@ -68,8 +68,11 @@ def build_bodies(model: str, chunks: int) -> FixedBodies:
         "object": "text_completion",
         "created": 0,
         "model": model,
+        # With logprobs, as vLLM answers the router's warm-up request before it admits a
+        # replica (a fixed body cannot depend on the request's `logprobs`).
         "choices": [
-            {"index": 0, "text": " hello world", "logprobs": None, "finish_reason": "length"}
+            {"index": 0, "text": " hello world", "finish_reason": "length",
+             "logprobs": {"tokens": [" hello", " world"], "token_logprobs": [-0.5, -0.25]}}
         ],
         "usage": usage,
     }

@@ -105,7 +105,7 @@ async def stream(client: httpx.AsyncClient, url: str, route: str, payload: dict[
 
 
 async def restarted(f: Fleet, replica: str, old_pid: int) -> None:
-    await wait_until(lambda: f.supervisor.pids().get(replica) not in (None, old_pid)
+    await wait_until(lambda: f.supervisor.pids.get(replica) not in (None, old_pid)
                      and f.pool.get(replica).state is ReplicaState.READY,
                      RESTART_WITHIN_S, f"restart of {replica}")
 
@@ -119,7 +119,7 @@ async def exactness(f: Fleet, args: argparse.Namespace) -> list[str]:
                 payload = body(route, f"Story {k}: once upon a time", args.max_tokens)
                 reference = await stream(c, f.url, route, payload)
                 f.pool.set_state(r1, ReplicaState.DRAINING, "benchmark: pin to r0")
-                pid = f.supervisor.pids()["r0"]
+                pid = f.supervisor.pids["r0"]
                 killed_at: list[int] = []
 
                 def kill(n: int, k: int = k, pid: int = pid,
@@ -180,7 +180,7 @@ async def under_load(f: Fleet, args: argparse.Namespace, *, sig: signal.Signals,
                      streaming_only: bool) -> Load:
     load, rng = Load(), random.Random(7)
     until = time.monotonic() + args.load_s
-    pid = f.supervisor.pids()["r0"]
+    pid = f.supervisor.pids["r0"]
     async with httpx.AsyncClient(timeout=300) as c:
         tasks = [asyncio.create_task(worker(c, f.url, streaming_only or i % 2 == 0, until,
                                             load, rng)) for i in range(args.workers)]

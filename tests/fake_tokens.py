@@ -77,7 +77,8 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
     await resp.prepare(request)
 
     async def send(chunk: dict[str, Any]) -> None:
-        await resp.write(b"data: " + json.dumps(head | chunk).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps(head | chunk, separators=(",", ":")).encode()
+                         + b"\n\n")
 
     if chat:
         await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},

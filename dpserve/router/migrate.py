@@ -40,6 +40,7 @@ to prompt and output tokens alike.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,11 +159,87 @@ class StreamState:
     usage_sent: bool = False
     closed: bool = False
     """`[DONE]` went out."""
+    pending: bytearray = field(default_factory=bytearray)
+    """Events passed on by `client_block`, not read yet (`learn`)."""
     seams: list[Seam] = field(default_factory=list)
 
     @property
     def started(self) -> bool:
         return self.prompt_ids is not None
+
+    def client_block(self, block: bytes) -> bytes:
+        """A run of the engine's own events as the client gets them: the token ids
+        taken out unless asked for, by one pass over vLLM's compact JSON. What they
+        teach is read later, many events at a time, and only when needed (`learn`):
+        the router's cost per token stays a few microseconds."""
+        self.pending += block
+        if len(self.pending) >= LEARN_EVERY_BYTES:
+            self.learn()
+        self.closed = self.closed or block.endswith(_DONE_ENDS)
+        if self.wants_ids:
+            return block
+        if _IDS in block:
+            block = _IDS_ANY.sub(b'"token_ids":null', block)
+        if _PROMPT_IDS in block:  # the first event's
+            block = _PROMPT_IDS_ANY.sub(b'"prompt_token_ids":null', block)
+        return block
+
+    def learn(self) -> None:
+        """Read the events `client_block` passed on since the last time: the first
+        one parsed (its identity and prompt ids), the rest by a few scans of the bytes
+        where they are vLLM's compact JSON, else parsed one by one."""
+        if not self.pending:
+            return
+        block = bytes(self.pending)
+        self.pending.clear()
+        if not self.identity:
+            ends = [i + len(e) for e in (b"\n\n", b"\r\n\r\n") if (i := block.find(e)) >= 0]
+            cut = min(ends, default=len(block))
+            self._parse(block[:cut])
+            block = block[cut:]
+        if block and not self._scan(block):
+            self._parse(block)
+
+    def _parse(self, block: bytes) -> None:
+        for event in block.split(b"\n\n"):
+            event = event.strip(b"\r\n")
+            if event == b"data: [DONE]":
+                self.closed = True
+            elif event.startswith(b"data: {"):
+                chunk = json.loads(event[6:])
+                if "error" in chunk:
+                    self.done = True
+                else:
+                    self.client_chunk(chunk, continuation=False)
+
+    def _scan(self, block: bytes) -> bool:
+        """`learn` from the bytes; False (nothing learned) where they do not suffice:
+        an error, the prompt's ids, a second choice, JSON written with spaces. A key
+        cannot appear inside a string value (its quotes are escaped), so a match is
+        the field itself."""
+        if any(bad in block for bad in _NOT_FAST) or (
+                block.count(b'"index":') != block.count(b'"index":0,')):
+            return False
+        ids = _all_ids(block)
+        if ids is None:
+            return False
+        # The seam may follow the last event that printed text (or finished).
+        text_key = _TEXT_CHAT if self.chat else _TEXT
+        printed = block.rfind(text_key)
+        while printed >= 0 and block[printed + len(text_key)] == 0x22:  # "": none printed
+            printed = block.rfind(text_key, 0, printed)
+        finished = block.rfind(_FINISHED)
+        last = max(printed, finished)
+        if last >= 0:
+            end = block.find(b"\n\n", last)
+            covered = ids if end + 2 == len(block) else _all_ids(block[:end])
+            self.synced = len(self.ids) + len(covered or ())
+        self.ids += ids
+        if finished >= 0:
+            at = finished + len(_FINISHED)
+            self.finish_reason, self.done = block[at:block.find(b'"', at)].decode("latin-1"), True
+        self.usage_sent = self.usage_sent or b'"usage":{' in block
+        return True
 
     def client_chunk(self, chunk: dict[str, Any], *, continuation: bool
                      ) -> dict[str, Any] | None:
@@ -268,6 +345,38 @@ class StreamState:
         return len(self.prompt_ids or ()) + self.synced
 
 
+_IDS = b'"token_ids":['
+_PROMPT_IDS = b'"prompt_token_ids":['
+_FINISHED = b'"finish_reason":"'
+_IDS_ANY = re.compile(rb'"token_ids":\[([0-9,]*)\]')
+_DONE_ENDS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n")
+_PROMPT_IDS_ANY = re.compile(rb'"prompt_token_ids":\[[0-9,]*\]')
+_NOT_FAST = (b'"error"', _PROMPT_IDS, b'": ', b"\r")
+"""What the byte scan of `learn` leaves to parsing: an error, the prompt's ids, JSON
+written with spaces (or text holding `": `: parsed, to be safe), CRLF line ends."""
+LEARN_EVERY_BYTES = 16384
+"""Events held unread at most (about 60 tokens): bounded memory per stream."""
+_TEXT = b'"text":"'
+_TEXT_CHAT = b'"content":"'
+
+
+def _all_ids(block: bytes) -> list[int] | None:
+    """Every `token_ids` of a run of events, in order; None if one is not a list of
+    integers."""
+    lists = [x for x in _IDS_ANY.findall(block) if x]
+    return _ints(b",".join(lists)) if lists else []
+
+
+def _ints(data: bytes) -> list[int] | None:
+    """`1,2,3` as a list; None if it is not a list of integers."""
+    if not data:
+        return []
+    try:
+        return [int(x) for x in data.split(b",")]
+    except ValueError:
+        return None
+
+
 def _has_ids(chunk: dict[str, Any]) -> bool:
     return chunk.get("prompt_token_ids") is not None or any(
         c.get(k) is not None for c in chunk.get("choices") or () for k in TOKEN_FIELDS)
@@ -294,6 +403,11 @@ def continuation(state: StreamState) -> dict[str, Any] | None:
     return out
 
 
-def upstream_body(body: dict[str, Any]) -> bytes:
-    """The request as forwarded while migration may be needed: with token ids."""
-    return json.dumps(body | {"return_token_ids": True}, separators=(",", ":")).encode()
+def upstream_body(body: dict[str, Any], raw: bytes) -> bytes:
+    """The request as forwarded while migration may be needed: with token ids. `raw`
+    is `body` as received (a JSON object with fields): the field goes in front of
+    its first, unless the client set it (then it is written again)."""
+    start = raw.find(b"{")
+    if "return_token_ids" in body or start < 0:
+        return json.dumps(body | {"return_token_ids": True}, separators=(",", ":")).encode()
+    return raw[:start + 1] + b'"return_token_ids":true,' + raw[start + 1:]

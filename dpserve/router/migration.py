@@ -96,6 +96,7 @@ class Migrator:
         state = stream.state
         reason, detail, source = broken.reason, broken.detail, tried[-1]
         while True:
+            state.learn()
             if reason == "drained" and source in tried:
                 tried.remove(source)
             if state.done:  # only the ending was lost: the router writes it
@@ -217,6 +218,18 @@ class Migrator:
 
     async def _send(self, stream: Stream, events: bytes, version: str | None,
                     continuation: bool) -> None:
+        """Relay a run of whole events: the engine's own passed on as bytes, read
+        later (`StreamState.client_block`); a continuation's parsed and rewritten
+        into the client's kind (`client_chunk`)."""
+        if continuation:
+            out = self._parse_each(stream, events, version, continuation)
+        else:
+            out = stream.finish(stream.state.client_block(events), version)
+        if out:
+            await stream.replied.body(out, more=True)
+
+    def _parse_each(self, stream: Stream, events: bytes, version: str | None,
+                    continuation: bool) -> bytes:
         out = []
         for event in events.split(b"\n\n"):
             event = event.strip(b"\r\n")
@@ -235,10 +248,10 @@ class Migrator:
             mine = stream.state.client_chunk(chunk, continuation=continuation)
             data = event[6:] if mine is None else json.dumps(mine, separators=(",", ":")).encode()
             out.append(b"data: " + stream.finish(data, version) + b"\n\n")
-        if out:
-            await stream.replied.body(b"".join(out), more=True)
+        return b"".join(out)
 
     def _refused(self, state: StreamState) -> str | None:
+        state.learn()
         if len(state.seams) >= self._config.migration_limit:
             return "limit"
         if not state.started:

@@ -241,7 +241,7 @@ class ProxyEndpoint:
             payload["model"] = ex.adapter.engine_name
         state = StreamState(chat=chat, body=payload,
                             wants_ids=payload.get("return_token_ids") is True)
-        ex.body = upstream_body(payload)
+        ex.body = upstream_body(payload, ex.body)
         adapter, client_model = ex.adapter, ex.client_model
         ex.migration = Stream(
             state=state, request_id=ex.request_id, replied=ex.replied, info=ex.info,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpserve.router.migrate import StreamState, continuation, refusal
+from dpserve.router.migrate import StreamState, continuation, refusal, upstream_body
 
 BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 10}
 
@@ -84,3 +85,48 @@ def test_the_seam_is_where_the_client_text_covers_the_ids(chunks):
     assert s.ids == [t for t, _ in chunks[:printed[-1] + 1]] if printed else s.ids == []
     usage = s.usage({"prompt_tokens": 99, "completion_tokens": 4})
     assert usage["prompt_tokens"] == 2 and usage["completion_tokens"] == len(s.ids) + 4
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 200_000), max_size=3),
+                          st.sampled_from(["", "a", "é", 'say "hi"', '"token_ids":[1]']),
+                          st.sampled_from([None, "length", "stop"]), st.booleans()),
+                min_size=1, max_size=20),
+       st.booleans(), st.booleans(), st.integers(1, 4))
+def test_reading_the_bytes_learns_and_writes_what_parsing_does(chunks, chat, wants_ids, per_read):
+    """The fast path (vLLM's compact JSON, several events per read, read later in
+    runs, no parsing) against parsing every event."""
+    def chunk(i: int, ids: list[int], text: str, finish: str | None, usage: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                                  "token_ids": ids}
+        choice |= {"delta": {"content": text}} if chat else {
+            "text": text, "stop_reason": None, "prompt_token_ids": [9, 8] if i == 0 else None}
+        out: dict[str, Any] = {"id": "c", "object": "x", "created": 1, "model": "m",
+                               "choices": [choice]}
+        if chat and i == 0:
+            out["prompt_token_ids"] = [9, 8]
+        if usage:
+            out["usage"] = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+        return out
+
+    sent = [chunk(i, *args) for i, args in enumerate(chunks)]
+    fast, slow = (StreamState(chat=chat, body={}, wants_ids=wants_ids) for _ in range(2))
+    expected = [slow.client_chunk(json.loads(json.dumps(c)), continuation=False) or c
+                for c in sent]
+    got: list[dict[str, Any]] = []
+    for at in range(0, len(sent), per_read):
+        events = [json.dumps(c, separators=(",", ":")).encode() for c in sent[at:at + per_read]]
+        block = fast.client_block(b"".join(b"data: " + e + b"\n\n" for e in events))
+        got += [json.loads(e[6:]) for e in block.split(b"\n\n") if e]
+    fast.learn()
+    assert got == expected
+    for attr in ("ids", "synced", "prompt_ids", "done", "usage_sent", "finish_reason"):
+        assert getattr(fast, attr) == getattr(slow, attr), attr
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","stream":true}', b' \n{ "model": "m", "stream": true}',
+                                 b'{"model":"m","stream":true,"return_token_ids":false}'])
+def test_the_forwarded_request_asks_for_token_ids(raw):
+    body = json.loads(raw)
+    sent = json.loads(upstream_body(body, raw))
+    assert sent == body | {"return_token_ids": True}
