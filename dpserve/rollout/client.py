@@ -123,7 +123,7 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
         return 1
     n = len(record["replicas"])
     what = (f"adapter {record['adapter']} version {record['version']} (was "
-            f"{record['previous_version'] or 'not served'}), {n} replica(s), all at once"
+            f"{record['previous_version'] or 'not served'}), {n} replica(s), one at a time"
             if record.get("adapter") else
             f"version {record['version']} (was {record['previous_version']}), {n} "
             f"replica(s), {record['options']['batch']} at a time")
