@@ -85,7 +85,8 @@ class RouterMetrics:
         )
         self.stream_errors = Counter(
             "dpserve_stream_errors",
-            "Responses cut after they started (replica died, stream idle too long).",
+            "Responses cut after they started (replica died, stream idle too long), "
+            "where the stream could not move to another replica.",
             ["route", "replica"],
             registry=self.registry,
         )

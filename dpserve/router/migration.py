@@ -104,7 +104,7 @@ class Migrator:
                 return source
             why = self._refused(state)
             if why is not None:
-                return await self._give_up(stream, reason, "refused", detail, why)
+                return await self._give_up(stream, reason, "refused", detail, why, source)
             state.rewind()
             body = continuation(state)
             if body is None:  # every token came; only the finish chunk was lost
@@ -115,7 +115,7 @@ class Migrator:
                 slot = await self._choose(stream, [*tried, source])
             except Unavailable:
                 return await self._give_up(stream, reason, "failed", detail,
-                                           "no other replica is available")
+                                           "no other replica is available", source)
             replica = slot.replica
             tried.append(replica.id)
             with slot:
@@ -124,7 +124,6 @@ class Migrator:
                 return replica.id
             started, why_broken, detail = outcome
             if started:  # it moved, then broke again: a new break on a new replica
-                self._metrics.stream_errors.labels("/v1/completions", replica.id).inc()
                 reason, source = why_broken, replica.id
             else:
                 self._metrics.migrations.labels(reason, "failed").inc()
@@ -261,8 +260,10 @@ class Migrator:
         return None
 
     async def _give_up(self, stream: Stream, reason: str, outcome: str, detail: str,
-                       why: str) -> str:
+                       why: str, source: str) -> str:
+        """The client's stream ends cut, as it would without migration."""
         self._metrics.migrations.labels(reason, outcome).inc()
+        self._metrics.stream_errors.labels(stream.info.route, source).inc()
         if outcome == "refused":
             self._metrics.migration_refusals.labels(why).inc()
         log.warning("request %s: stream cut (%s), not migrated: %s", stream.request_id,
