@@ -533,6 +533,9 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     assert canary["passed"] is False and "on the canary against" in canary["reason"]
     assert any(canary["canary"][f"ttft_p{p}_ms"] > 8 * canary["others"][f"ttft_p{p}_ms"]
                for p in (50, 90))  # its requests sent while it ran answer fast: p90 shows it
-    assert record["error"].startswith("r0: canary traffic: TTFT p")
+    # Stalled 3 s at a time, it is slow, and requests caught by a stall may fail too:
+    # either comparison rolls it back (error rate 25% against 0% was seen).
+    assert record["error"].startswith(("r0: canary traffic: TTFT p",
+                                       "r0: canary traffic: error rate"))
     wait_for_sync(f.all_ready, "both replicas back in rotation", within_s=120)
     assert f.versions() == before
