@@ -10,7 +10,11 @@ text is held back (the chunk carries the id and empty text) until the second hal
 (`WHOLE + c`) comes, like vLLM's detokenizer with a UTF-8 character split across
 tokens. A prompt that ends in a first half makes the continuation's text start with
 garbage, like vLLM's (which printed the prompt again): replaying ids past the text
-the client has is visible.
+the client has is visible. Stop strings behave as vLLM 0.32's: the text that could
+begin one is held back (`len(longest) - 1` characters) unless
+`include_stop_str_in_output`, the match completing earliest ends the generation (not
+before `min_tokens`), and
+`detokenize` prints U+FFFD for a trailing half character.
 """
 
 from __future__ import annotations
@@ -46,6 +50,43 @@ def text_of(token: int) -> str:
     if token >= WHOLE:
         return chr(token - WHOLE)
     return "" if token >= HALF else chr(token)
+
+
+def detokenize(ids: list[int]) -> str:
+    """`POST /detokenize`: a trailing first half is not a character yet."""
+    tail = "\ufffd" if ids and HALF <= ids[-1] < WHOLE else ""
+    return "".join(text_of(t) for t in ids) + tail
+
+
+def first_stop(text: str, new: int, stops: list[str]) -> tuple[str, int] | None:
+    """vLLM's `check_stop_strings`: the match completing earliest in the new text."""
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) + 1 - new - len(stop)))
+        if at >= 0 and (best is None or at + len(stop) < best[1] + len(best[0])):
+            best = (stop, at)
+    return best
+
+
+def expected_stream(body: dict[str, Any], n: int) -> tuple[str, str | None, int]:
+    """An uninterrupted run's text, stop string matched and completion tokens."""
+    stops = _stops(body)
+    include = body.get("include_stop_str_in_output") is True
+    min_tokens = int(body.get("min_tokens") or 0)
+    context, text = prompt_ids(body), ""
+    for i in range(n):
+        context.append(next_token(context))
+        piece = text_of(context[-1])
+        text += piece
+        if piece and i + 1 > min_tokens and (match := first_stop(text, len(piece), stops)):
+            stop, at = match
+            return text[:at + len(stop) if include else at], stop, i + 1
+    return text, None, n
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop") or []
+    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def generate(context: list[int], n: int) -> list[int]:
@@ -86,6 +127,11 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
                     "prompt_token_ids": prompt if ids else None})
     garbage = bool(prompt) and HALF <= prompt[-1] < WHOLE
     context = list(prompt)
+    stops = _stops(body)
+    include = body.get("include_stop_str_in_output") is True
+    min_tokens = int(body.get("min_tokens") or 0)
+    hold = max(map(len, stops), default=1) - 1 if not include else 0
+    output, sent = "", 0  # vLLM's output text, and how much of it went out
     for i in range(n):
         if cut_after is not None and i == cut_after:
             assert request.transport is not None
@@ -95,16 +141,28 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
             await asyncio.sleep(3600)
         token = next_token(context)
         context.append(token)
-        text = (GARBAGE if garbage and i == 0 else "") + text_of(token)
+        piece = (GARBAGE if garbage and i == 0 else "") + text_of(token)
+        output += piece
         finish = "length" if i == n - 1 else None
+        stop = first_stop(output, len(piece), stops) if piece and i + 1 > min_tokens else None
+        if stop is not None:
+            output = output[:stop[1] + len(stop[0]) if include else stop[1]]
+            finish = "stop"
+        end = len(output) if finish else max(sent, len(output) - hold)
+        text, sent = output[sent:end], end
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
                                   "token_ids": [token] if ids else None}
         if chat:
             choice["delta"] = {"content": text}
         else:
-            choice |= {"text": text, "stop_reason": None,
+            choice |= {"text": text, "stop_reason": stop[0] if stop else None,
                        "prompt_token_ids": prompt if ids and i == 0 else None}
+        if chat and finish:
+            choice["stop_reason"] = stop[0] if stop else None
         await send({"choices": [choice]})
+        if finish:
+            n = i + 1
+            break
         if delay_s:
             await asyncio.sleep(delay_s)
     if cut_after is not None and cut_after == n:  # after the last token, before the end

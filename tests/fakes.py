@@ -116,7 +116,7 @@ class FakeReplica:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
             app.router.add_post(path, self._generate)
         self._add_dev_endpoints(app)
         self._runner, self.port = await start_app(app)
@@ -224,6 +224,8 @@ class FakeReplica:
         """`/tokenize`, and completions of token ids (what an eval set sends)."""
         answers, logprob = next((v for k, v in self.skill.items() if k == self.weights or (
             k is not None and self.weights is not None and k in self.weights)), ({}, -1.0))
+        if request.path == "/detokenize":
+            return web.json_response({"prompt": fake_tokens.detokenize(body["tokens"])})
         if request.path == "/tokenize":
             text = ("\n".join(m["content"] for m in body["messages"]) if "messages" in body
                     else body["prompt"])

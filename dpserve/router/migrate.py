@@ -22,19 +22,8 @@ again. So the seam goes after the last chunk whose text was not empty: there the
 text the client has is exactly the text of the ids replayed, and the ids after it
 are generated again (for greedy decoding, the same ones).
 
-What does not migrate, and why (`refusal`; each is counted by reason):
-`n`/`best_of` > 1 and beam search (several sequences, one seam each), `echo` (the
-prompt would be echoed again), presence and frequency penalties (they count only
-generated tokens: replayed ids would become prompt and stop counting), logprobs
-and prompt logprobs (not carried across the seam yet), structured output and
-tools (the grammar's state and the tool-call parser are not carried), `seed`
-with sampling (a seeded run would not repeat), `bad_words` (a multi-token bad
-word half-generated at the seam would be missed), stop strings (vLLM holds back
-text that might begin one, so the text sent lags the ids by an amount the router
-cannot see; carrying them is future work), several prompts in one request,
-multimodal messages (their placeholder ids cannot be replayed without the media),
-and prompts given as embeddings. Repetition penalty does migrate: vLLM applies it
-to prompt and output tokens alike.
+What does not migrate, and why: `dpserve.router.movable`. Stop strings:
+`dpserve.router.stops`.
 """
 
 from __future__ import annotations
@@ -43,6 +32,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from dpserve.router.stops import SentText, StopScan, stop_strings
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids")
 """What `return_token_ids` adds to a choice (and to a chat chunk: `prompt_token_ids`,
@@ -53,74 +44,6 @@ _CARRIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
             "skip_special_tokens", "spaces_between_special_tokens", "stream_options",
             "user", "priority", "cache_salt", "seed", "return_tokens_as_token_ids")
 """Request fields that mean the same on the continuation (a completion of ids)."""
-
-_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "structured_outputs", "structural_tag",
-               "grammar", "json_schema", "regex", "choice")
-
-
-def refusal(body: dict[str, Any], *, chat: bool) -> str | None:
-    """Why a streaming request could not be continued elsewhere as the same request
-    (a short reason, the metric's label), or None if it can."""
-    if _more_than_one(body.get("n")) or _more_than_one(body.get("best_of")):
-        return "n"
-    if body.get("use_beam_search"):
-        return "beam_search"
-    if body.get("echo"):
-        return "echo"
-    if _nonzero(body.get("presence_penalty")) or _nonzero(body.get("frequency_penalty")):
-        return "penalties"
-    logprobs = body.get("logprobs")  # completions: 0 asks for the chosen token's
-    if ((logprobs is not None and logprobs is not False) or body.get("top_logprobs")
-            or body.get("prompt_logprobs") is not None):
-        return "logprobs"
-    response_format = body.get("response_format")
-    if ((isinstance(response_format, dict) and response_format.get("type") not in (None, "text"))
-            or any(body.get(k) is not None for k in _STRUCTURED)):
-        return "structured_output"
-    if (body.get("tools") and body.get("tool_choice") != "none") or body.get("functions"):
-        return "tools"
-    if body.get("seed") is not None and body.get("temperature", 1.0) != 0:
-        return "seed"
-    if body.get("bad_words"):
-        return "bad_words"
-    if body.get("stop"):
-        return "stop_strings"
-    if body.get("prompt_embeds") is not None or body.get("suffix"):
-        return "unsupported_prompt"
-    if chat:
-        if _multimodal(body.get("messages")):
-            return "multimodal"
-    elif not _single_prompt(body.get("prompt")):
-        return "several_prompts"
-    return None
-
-
-def _more_than_one(value: Any) -> bool:
-    return isinstance(value, int) and value > 1
-
-
-def _nonzero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and value != 0
-
-
-def _single_prompt(prompt: Any) -> bool:
-    """One text, or one list of token ids (not a batch of either)."""
-    if isinstance(prompt, str):
-        return True
-    if isinstance(prompt, list):
-        return (len(prompt) == 1 and isinstance(prompt[0], (str, list))) or all(
-            isinstance(t, int) for t in prompt)
-    return False
-
-
-def _multimodal(messages: Any) -> bool:
-    if not isinstance(messages, list):
-        return False
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") not in (None, "text")
-                       for p in m["content"]) for m in messages)
-
 
 @dataclass
 class Seam:
@@ -162,6 +85,18 @@ class StreamState:
     pending: bytearray = field(default_factory=bytearray)
     """Events passed on by `client_block`, not read yet (`learn`)."""
     seams: list[Seam] = field(default_factory=list)
+    stops: list[str] = field(init=False)
+    """The request's stop strings: its text is then read in full (`sent`)."""
+    sent: SentText = field(init=False)
+    """The text the client got, when there are stop strings."""
+    scan: StopScan | None = None
+    """The router's own stop-string check, from the first seam on."""
+    cut: bool = False
+    """The router found a stop string: the stream ends with this chunk."""
+
+    def __post_init__(self) -> None:
+        self.stops = stop_strings(self.body) or []
+        self.sent = SentText(keep=max([64, *map(len, self.stops)]))
 
     @property
     def started(self) -> bool:
@@ -197,7 +132,7 @@ class StreamState:
             cut = min(ends, default=len(block))
             self._parse(block[:cut])
             block = block[cut:]
-        if block and not self._scan(block):
+        if block and (self.stops or not self._scan(block)):
             self._parse(block)
 
     def _parse(self, block: bytes) -> None:
@@ -281,6 +216,8 @@ class StreamState:
             choice.get("text")
         if text:
             self.synced = len(self.ids)
+            if first and self.stops:
+                self.sent.add(text)
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
             self.synced = len(self.ids)
@@ -312,6 +249,7 @@ class StreamState:
         return out
 
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        choice = self._stop_check(choice)
         if not self.chat:
             return {k: v for k, v in choice.items() if k != "prompt_token_ids"} | {"index": 0}
         out: dict[str, Any] = {"index": 0, "delta": {"content": choice.get("text") or ""},
@@ -321,6 +259,29 @@ class StreamState:
         if self.wants_ids:
             out["token_ids"] = choice.get("token_ids")
         return out
+
+    def _stop_check(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's choice after the router's stop-string check: its text as
+        the client gets it, and the stream's end if a stop string completed here."""
+        if self.scan is None:
+            return choice
+        finish, engine_stop = choice.get("finish_reason"), choice.get("stop_reason")
+        out, stop = self.scan.feed(choice.get("text") or "", len(choice.get("token_ids") or ()),
+                                   finished=finish is not None)
+        if stop is None and finish == "stop" and isinstance(engine_stop, str) and \
+                not self.scan.include:  # the engine's own match (the router's sees more)
+            out = out.removesuffix(engine_stop)
+        choice = choice | {"text": out}
+        if stop is not None:
+            choice |= {"finish_reason": "stop", "stop_reason": stop}
+            self.finish_reason, self.done, self.cut = "stop", True, True
+        self.sent.add(out)
+        return choice
+
+    def drop_last(self) -> None:
+        """Replay one id fewer: its text is not a whole character yet."""
+        self.ids.pop()
+        self.synced = self.counted = len(self.ids)
 
     def rewind(self) -> None:
         """Drop the ids after the last synced chunk: they are generated again."""
@@ -392,6 +353,8 @@ def continuation(state: StreamState) -> dict[str, Any] | None:
     for key in _CARRIED:
         if key in body:
             out[key] = body[key]
+    if state.stops:  # its text unheld, for the router's own check (`stops`)
+        out |= {"stop": state.stops, "include_stop_str_in_output": True}
     limit = body.get("max_completion_tokens") if state.chat else None
     limit = limit if limit is not None else body.get("max_tokens")
     if isinstance(limit, int):

@@ -27,18 +27,21 @@ from dpserve.router.asgi import ReplyTracker, Scope, upstream_header_block
 from dpserve.router.breaker import Outcome, classify
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import sse_error_event
+from dpserve.router.http1 import ResponseTooLarge
 from dpserve.router.live import Evicted
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.migrate import StreamState, continuation
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.router.sse import EventFramer, EventTooLarge
+from dpserve.router.stops import REPLACEMENT, StopScan, held_text
 from dpserve.router.upstream import Origin, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.migration")
 
 _DONE = b"data: [DONE]"
 _CONTINUATION_LINE = b"POST /v1/completions HTTP/1.1"
+_DETOKENIZE_LINE = b"POST /detokenize HTTP/1.1"
 
 
 @dataclass
@@ -119,6 +122,11 @@ class Migrator:
             replica = slot.replica
             tried.append(replica.id)
             with slot:
+                if state.stops:
+                    if not await self._stop_seam(stream, slot):
+                        return await self._give_up(stream, reason, "refused", detail,
+                                                   "seam_text", source)
+                    body = continuation(state) or body
                 outcome = await self._continue(stream, slot, body, source, reason, detail)
             if outcome is None:
                 return replica.id
@@ -139,6 +147,53 @@ class Migrator:
             except Unavailable:
                 pass  # those are failing: any version beats a broken stream
         return await self._dispatch.choose(stream.info, tried)
+
+    async def _stop_seam(self, stream: Stream, slot: Slot) -> bool:
+        """Ready the router's stop-string check for a continuation on `slot`: the text
+        of the replayed ids the client has not got yet (vLLM held it back) comes first
+        (`dpserve.router.stops`). False if that text cannot be known."""
+        state = stream.state
+        prompt = list(state.prompt_ids or ())
+        try:
+            before = await self._detokenize(stream, slot, prompt)
+            full = await self._detokenize(stream, slot, [*prompt, *state.ids])
+            for _ in range(3):  # a UTF-8 character is at most 4 bytes, so 3 tokens' worth
+                if not (full.endswith(REPLACEMENT) and state.ids):
+                    break
+                state.drop_last()  # its text has not come yet: generated again
+                full = await self._detokenize(stream, slot, [*prompt, *state.ids])
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError, ResponseTooLarge) as exc:
+            log.warning("request %s: cannot detokenize on replica %s (%s)",
+                        stream.request_id, slot.replica.id, exc)
+            return False
+        held = held_text(full, before, state.sent)
+        if held is None:
+            return False
+        state.scan = StopScan.at_seam(state.stops, state.body, state.sent, held,
+                                      len(state.ids))
+        return True
+
+    async def _detokenize(self, stream: Stream, slot: Slot, ids: list[int]) -> str:
+        data = json.dumps({"tokens": ids}, separators=(",", ":")).encode()
+        origin = self._origin(slot.replica.url)
+        head = b"%s\r\nhost: %s\r\ncontent-type: application/json\r\nx-request-id: %s\r\n" \
+               b"content-length: %d\r\n\r\n" % (_DETOKENIZE_LINE, origin.host_header,
+                                                stream.request_id.encode("latin-1"), len(data))
+        config = self._config
+        resp = await self._upstream.request(origin, head, data,
+                                            connect_timeout_s=config.connect_timeout_s,
+                                            head_timeout_s=config.first_byte_timeout_s)
+        try:
+            async with asyncio.timeout(config.first_byte_timeout_s):
+                answer = await resp.read(config.max_response_bytes)
+            if resp.status != 200:
+                raise ValueError(f"/detokenize answered {resp.status}")
+            text = json.loads(answer)["prompt"]
+            if not isinstance(text, str):
+                raise TypeError("/detokenize answered no text")
+            return text
+        finally:
+            resp.release()
 
     async def _continue(self, stream: Stream, slot: Slot, body: dict[str, Any], source: str,
                         reason: str, detail: str) -> tuple[bool, str, str] | None:
@@ -188,7 +243,7 @@ class Migrator:
         try:
             with self._dispatch.streams.running(
                     slot.replica.id, resp, lambda: self._refused(stream.state) is None):
-                while chunk:
+                while chunk and not stream.state.cut:
                     if whole := events.feed(chunk):
                         await self._send(stream, whole, version, continuation)
                     events.check()
@@ -207,7 +262,7 @@ class Migrator:
             if isinstance(exc, TimeoutError):
                 return "stalled", f"no data for {idle:g} s"
             return "disconnected", "the replica closed the stream early"
-        if rest := events.rest():
+        if not stream.state.cut and (rest := events.rest()):
             await self._send(stream, rest, version, continuation)
         if not stream.state.closed:  # ended cleanly, yet without its last events
             slot.outcome = Outcome.DISCONNECTED
@@ -247,6 +302,10 @@ class Migrator:
             mine = stream.state.client_chunk(chunk, continuation=continuation)
             data = event[6:] if mine is None else json.dumps(mine, separators=(",", ":")).encode()
             out.append(b"data: " + stream.finish(data, version) + b"\n\n")
+            if stream.state.cut:  # the router's stop: the engine's rest is not wanted
+                out.append(self._ending(stream))
+                stream.state.closed = True
+                break
         return b"".join(out)
 
     def _refused(self, state: StreamState) -> str | None:

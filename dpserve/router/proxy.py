@@ -56,8 +56,9 @@ from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.metrics import RouterMetrics, status_class
-from dpserve.router.migrate import StreamState, refusal, upstream_body
+from dpserve.router.migrate import StreamState, upstream_body
 from dpserve.router.migration import Broken, Migrator, Stream
+from dpserve.router.movable import refusal
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dpserve.router.migrate import StreamState, continuation, refusal, upstream_body
+from dpserve.router.migrate import StreamState, continuation, upstream_body
+from dpserve.router.movable import refusal
 
 BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 10}
 
@@ -25,7 +26,8 @@ BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_token
     ({"response_format": {"type": "text"}}, None),
     ({"guided_regex": "a+"}, "structured_output"),
     ({"seed": 3}, "seed"), ({"bad_words": ["x"]}, "bad_words"),
-    ({"stop": ["\n"]}, "stop_strings"), ({"stop": []}, None),
+    ({"stop": ["\n"]}, None), ({"stop": "x"}, None), ({"stop": []}, None),
+    ({"stop": [7]}, "stop_strings"), ({"stop": ["a", ""]}, "stop_strings"),
     ({"prompt": ["a", "b"]}, "several_prompts"), ({"prompt": [1, 2, 3]}, None),
     ({"prompt": ["one"]}, None), ({"suffix": "x"}, "unsupported_prompt"),
 ])
