@@ -7,7 +7,9 @@ checked by `dpserve.router.auth.Authenticate` (admin key, or loopback only).
 - `GET  /admin/replicas` — every replica with its state, load and version.
 - `POST /admin/replicas/{id}/drain` — stop sending it new requests; with
   `{"wait_s": S}` also wait up to S seconds for its in-flight requests to end
-  (`"drained": true` once none is left).
+  (`"drained": true` once none is left); with `"move_streams": true`, the
+  streams still running then move to other replicas (`dpserve.router.live`;
+  `"moved_streams"` says how many), as before a scale-down.
 - `POST /admin/replicas/{id}/undrain` — health-check it now and put it back
   into rotation when healthy.
 """
@@ -24,9 +26,12 @@ from starlette.routing import Route
 from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
 from dpserve.router.health import HealthChecker
+from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 MAX_WAIT_S = 3600.0
+MOVED_LEAVE_S = 5.0
+"""How long moved streams get to leave (each needs a continuation's first byte)."""
 
 
 def describe(replica: Replica, now: float | None = None) -> dict[str, Any]:
@@ -39,7 +44,8 @@ def describe(replica: Replica, now: float | None = None) -> dict[str, Any]:
     }
 
 
-def admin_routes(pool: ReplicaPool, health: HealthChecker) -> list[Route]:
+def admin_routes(pool: ReplicaPool, health: HealthChecker, streams: LiveStreams
+                 ) -> list[Route]:
 
     def find(request: Request) -> Replica | Response:
         replica_id = request.path_params["replica_id"]
@@ -55,19 +61,27 @@ def admin_routes(pool: ReplicaPool, health: HealthChecker) -> list[Route]:
         replica = find(request)
         if isinstance(replica, Response):
             return replica
-        body = await read_json_object(request, fields=("wait_s",))
+        body = await read_json_object(request, fields=("wait_s", "move_streams"))
         if isinstance(body, Response):
             return body
-        wait_s = body.get("wait_s", 0)
+        wait_s, move = body.get("wait_s", 0), body.get("move_streams", False)
         if (not isinstance(wait_s, int | float) or isinstance(wait_s, bool)
                 or not 0 <= wait_s <= MAX_WAIT_S):
             return error_response(400, f"wait_s must be a number in 0..{MAX_WAIT_S:g}",
                                   param="wait_s")
+        if not isinstance(move, bool):
+            return error_response(400, "move_streams must be true or false",
+                                  param="move_streams")
         if replica.state is ReplicaState.RELOADING:
             return error_response(409, f"replica {replica.id} is being reloaded")
         pool.set_state(replica, ReplicaState.DRAINING, "drained by admin")
         drained = await pool.wait_idle(replica, wait_s)
-        return JSONResponse({**describe(replica), "drained": drained})
+        answer: dict[str, Any] = {}
+        if move:
+            answer["moved_streams"] = moved = streams.evict(replica.id) if not drained else 0
+            if moved:
+                drained = await pool.wait_idle(replica, MOVED_LEAVE_S)
+        return JSONResponse({**describe(replica), "drained": drained, **answer})
 
     async def undrain(request: Request) -> Response:
         replica = find(request)

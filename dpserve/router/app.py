@@ -160,7 +160,7 @@ def build_app(router: Router) -> DataPlaneFront:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/metrics/engines", engine_metrics_endpoint(router.pool, router.metrics),
               methods=["GET"]),
-        *admin_routes(router.pool, router.health),
+        *admin_routes(router.pool, router.health, router.dispatcher.streams),
         *router.routes,
     ]
     forwarded: dict[tuple[str, str], ProxyEndpoint] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from dpserve.router.pool import ReplicaState
@@ -188,6 +189,32 @@ async def test_a_stream_moved_off_a_drained_replica_goes_where_its_weights_are(
     [seam] = final(events)["dpserve"]["migrations"]
     assert (seam["from"], seam["to"], seam["reason"]) == ("r0", "r2", "drained")
     assert router.dispatcher.breaker(router.pool.get("r0")).consecutive_failures == 0
+
+
+async def test_an_admin_drain_with_move_streams_moves_them_at_its_deadline(fake_replicas):
+    a = await fake_replicas("a", tokens=True, chunk_delay_s=0.05)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router), \
+            httpx.AsyncClient(timeout=20) as c:
+        await all_ready(router, 2)
+        task = asyncio.create_task(stream(base, "/v1/completions", COMPLETION | {
+            "max_tokens": 60}))
+        await wait_for(lambda: router.dispatcher.streams.movable("r0"),
+                       "the stream on r0, its prompt ids known")
+        drained = await c.post(base + "/admin/replicas/r0/drain",
+                               json={"wait_s": 0.2, "move_streams": True})
+        events = await task
+        again = await c.post(base + "/admin/replicas/r0/drain", json={"move_streams": True})
+        bad = await c.post(base + "/admin/replicas/r1/drain", json={"move_streams": "yes"})
+    assert drained.status_code == 200, drained.text
+    assert drained.json() | {"state": "draining", "drained": True, "moved_streams": 1} == \
+        drained.json()
+    assert text(events) == expected_text(COMPLETION, 60)
+    [seam] = final(events)["dpserve"]["migrations"]
+    assert (seam["from"], seam["to"], seam["reason"]) == ("r0", "r1", "drained")
+    assert again.json()["moved_streams"] == 0 and again.json()["drained"] is True
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "move_streams"
+    assert router.pool.get("r1").state is ReplicaState.READY  # a bad request changes nothing
 
 
 async def test_a_stream_without_a_head_within_the_idle_timeout_goes_elsewhere(fake_replicas):
