@@ -3,7 +3,7 @@
 Against the shared fake engine in its token mode (`tests.fake_tokens`): greedy
 output that a test can predict, replicas that close the connection or fall silent
 after k tokens on cue. What a real vLLM does with a replayed context (the same
-tokens) is checked in tests/integration/test_migration.py.
+tokens) is checked in tests/integration/test_serve.py and test_migration.py.
 """
 
 from __future__ import annotations
