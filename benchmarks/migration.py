@@ -9,7 +9,9 @@ this process as `dpserve serve` composes them, with `stream_idle_timeout_s` = --
    rotation just before). Printed: whether the migrated stream's token ids and text
    equal the reference's, the tokens replayed, and the gap at the seam (last chunk
    before the kill to the first after) beside the median gap between chunks. r0 is
-   restarted by the supervisor before the next kill.
+   restarted by the supervisor before the next kill. Then (`+stop` rows) the same
+   with a stop string of 12+ characters that begins a few chunks after k: text, ids
+   and ending (finish and stop reason) against the same request uninterrupted.
 2. **kill -9 under mixed load.** --workers clients (half streaming, half not) send
    greedy completions of 16 to 128 tokens for --load-s seconds; r0 is SIGKILLed a third
    of the way in. Counted per kind: completed, failed (target 0 and 0), migrated
@@ -56,6 +58,10 @@ class Streamed:
     ok: bool = False
     text: str = ""
     ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    """Each chunk's text."""
+    end: tuple[str | None, str | None] = (None, None)
+    """finish_reason and stop_reason."""
     arrivals: list[float] = field(default_factory=list)
     seams: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
@@ -95,7 +101,10 @@ async def stream(client: httpx.AsyncClient, url: str, route: str, payload: dict[
             for c in chunk.get("choices", []):
                 piece = (c.get("delta") or {}).get("content") if route == "chat" else c["text"]
                 out.text += piece or ""
+                out.pieces.append(piece or "")
                 out.ids += c.get("token_ids") or []
+                if c.get("finish_reason"):
+                    out.end = (c["finish_reason"], c.get("stop_reason"))
             if chunk.get("choices"):
                 out.arrivals.append(time.perf_counter())
                 n += 1
@@ -139,7 +148,49 @@ async def exactness(f: Fleet, args: argparse.Namespace) -> list[str]:
                             f"{len(moved.seams):>6} {moved.error or '-'}")
                 print(rows[-1], flush=True)
                 await restarted(f, "r0", pid)
+                if args.stops:
+                    rows.append(await with_stop(f, c, route, k, payload, reference))
+                    print(rows[-1], flush=True)
     return rows
+
+
+def first_new(text: str, start: int) -> str | None:
+    """The first text of 12 to 40 characters at or after `start` that does not occur
+    before it (the tiny model repeats itself): a stop string with one place to stop."""
+    for at in range(start, len(text)):
+        for size in range(12, 41):
+            piece = text[at:at + size]
+            if len(piece) == size and text.find(piece) == at:
+                return piece
+    return None
+
+
+async def with_stop(f: Fleet, c: httpx.AsyncClient, route: str, k: int,
+                    payload: dict[str, Any], plain: Streamed) -> str:
+    """The same kill, the stream given a stop string that begins a few chunks after k
+    (vLLM holds back len - 1 >= 11 characters: the break lands before or inside it).
+    Compared with the uninterrupted run of the same request: text and ending."""
+    label = route + "+stop"
+    stop = first_new(plain.text, len("".join(plain.pieces[:k + 4])))
+    if stop is None:
+        return f"{label:<12} {k:>5} (no unique stop string in the reference)"
+    payload = payload | {"stop": [stop]}
+    reference = await stream(c, f.url, route, payload)
+    r1 = f.pool.get("r1")
+    f.pool.set_state(r1, ReplicaState.DRAINING, "benchmark: pin to r0")
+    pid = f.supervisor.pids["r0"]
+
+    def kill(n: int) -> None:
+        if n == k:
+            f.pool.set_state(r1, ReplicaState.READY, "benchmark")
+            os.killpg(pid, signal.SIGKILL)
+
+    moved = await stream(c, f.url, route, payload, kill)
+    await restarted(f, "r0", pid)
+    same_end = moved.end == reference.end == ("stop", stop)
+    return (f"{label:<12} {k:>5} {moved.ids == reference.ids!s:>10} "
+            f"{moved.text == reference.text!s:>9}  same ending: {same_end!s:<5} "
+            f"(stop string of {len(stop)} chars) {len(moved.seams):>6} {moved.error or '-'}")
 
 
 @dataclass
@@ -245,6 +296,8 @@ def main() -> int:
     p.add_argument("--load-s", type=float, default=30.0)
     p.add_argument("--stop-s", type=float, default=8.0)
     p.add_argument("--idle-s", type=float, default=2.0, help="the router's stream idle timeout")
+    p.add_argument("--no-stops", dest="stops", action="store_false",
+                   help="skip the exactness runs with a stop string")
     args = p.parse_args()
     if not Path(args.model, "config.json").is_file():
         p.error(f"--model {args.model}: no built model there (run `make model`)")
