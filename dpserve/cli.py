@@ -44,6 +44,9 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-max-tokens", type=int,
                    help="longest context (prompt + generated tokens) a migration replays")
     g.add_argument("--health-interval-s", type=float, help="active health check period")
+    g.add_argument("--otlp-traces-endpoint",
+                   help="OTLP/HTTP URL to send traces to (default: "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)")
     g.add_argument("--graceful-shutdown-s", type=float,
                    help="time in-flight requests get on shutdown")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"))

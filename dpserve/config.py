@@ -122,6 +122,11 @@ class RouterConfig:
     leaves the pool as its address appears or disappears. `dpserve router` only."""
     discover_interval_s: float = 5.0
     """Period of re-resolving `discover`'s name."""
+    otlp_traces_endpoint: str | None = None
+    """OTLP/HTTP endpoint for traces (e.g. `http://collector:4318/v1/traces`): a span per
+    request, its W3C context sent on to the replica; `dpserve serve` starts the engines
+    with vLLM's `--otlp-traces-endpoint` too. Unset: the standard
+    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` if set, else tracing is off."""
     route_around_paused: bool = False
     """Also ask each replica's `/is_paused` (vLLM dev mode) at every health check and
     keep a paused one out of rotation. Set it when several routers share the replicas:
@@ -257,8 +262,8 @@ def build_router_config(
     env: Mapping[str, str] | None = None,
 ) -> RouterConfig:
     """Resolve a RouterConfig; `file_values` is the YAML file's `router:` section."""
-    cfg = resolve(RouterConfig, flags, file_values or {}, os.environ if env is None else env,
-                   prefix="router.")
+    env = os.environ if env is None else env
+    cfg = resolve(RouterConfig, flags, file_values or {}, env, prefix="router.")
     file_keys = [] if cfg.api_key_file is None else _read_keys(cfg.api_key_file,
                                                                "router.api_key_file")
     admin_key = cfg.admin_key
@@ -266,7 +271,9 @@ def build_router_config(
         (admin_key,) = _read_keys(cfg.admin_key_file, "router.admin_key_file")[:1]
     keys = [*([cfg.api_key] if cfg.api_key else []), *(cfg.api_keys or []), *file_keys]
     cfg = dataclasses.replace(cfg, api_keys=list(dict.fromkeys(keys)) or None,
-                              admin_key=admin_key)
+                              admin_key=admin_key,
+                              otlp_traces_endpoint=cfg.otlp_traces_endpoint
+                              or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None)
     _validate_router(cfg)
     return cfg
 
@@ -323,6 +330,10 @@ def _validate_router(c: RouterConfig) -> None:
         require(value > 0, f"router.{name}", "must be > 0", value)
     if c.load_factor is not None:
         require(c.load_factor >= 1, "router.load_factor", "must be >= 1", c.load_factor)
+    if c.otlp_traces_endpoint is not None:
+        require(c.otlp_traces_endpoint.startswith(("http://", "https://")),
+                "router.otlp_traces_endpoint", "must be an http:// or https:// URL",
+                c.otlp_traces_endpoint)
     if c.discover is not None:
         try:
             parse_target(c.discover)

@@ -118,6 +118,14 @@ def lora_args(cfg: RouterConfig) -> tuple[str, ...]:
     return tuple(args)
 
 
+def tracing_args(endpoint: str | None, vllm_args: tuple[str, ...] | list[str]
+                 ) -> tuple[str, ...]:
+    """vLLM's tracing option when the router traces (unless given to vLLM already)."""
+    if endpoint is None or any(a.startswith("--otlp-traces-endpoint") for a in vllm_args):
+        return ()
+    return ("--otlp-traces-endpoint", endpoint)
+
+
 def plan_replicas(
     cfg: ServeConfig,
     *,
@@ -171,6 +179,7 @@ def plan_replicas(
             "--host", "127.0.0.1",
             "--port", str(replica_port),
             *lora_args(cfg.router),
+            *tracing_args(cfg.router.otlp_traces_endpoint, cfg.vllm_args),
             *cfg.vllm_args,
         )
         env = {
@@ -180,6 +189,11 @@ def plan_replicas(
             "PYTHONUNBUFFERED": "1",
             **device_env,
         }
+        if cfg.router.otlp_traces_endpoint is not None:
+            # vLLM's own spans (`llm_request`), under the router's (`traceparent`).
+            env |= {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                    "OTEL_SERVICE_NAME": "dpserve-engine",
+                    "OTEL_RESOURCE_ATTRIBUTES": f"dpserve.replica=r{i}"}
         if cfg.router.enable_lora:
             # /v1/load_lora_adapter and /v1/unload_lora_adapter: the router's deploys
             # load adapters at run time (the router never forwards these routes).

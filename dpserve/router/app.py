@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import httpx
+from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -39,6 +40,7 @@ from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.policies import make_policy
 from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.router.proxy import ProxyEndpoint
+from dpserve.router.tracing import Tracing
 from dpserve.router.upstream import UpstreamPool
 
 log = logging.getLogger("dpserve.router")
@@ -103,6 +105,12 @@ class Router:
         self.scraper = (EngineScraper(pool, config, self.control)
                         if "engine_load" in self.policy.needs else None)
         self.routes = list(routes)
+        endpoint = config.otlp_traces_endpoint
+        self.tracing = (Tracing(endpoint, Counter(
+            "dpserve_trace_export_failures_total",
+            "Batches of spans the OTLP exporter could not deliver (tracing only)",
+            registry=self.metrics.registry)) if endpoint is not None else None)
+        """Request spans, when an OTLP endpoint is configured (`dpserve.router.tracing`)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     def refresh_gauges(self) -> None:
@@ -137,6 +145,8 @@ class Router:
         await self.health.aclose()
         self.upstream.close()
         await self.control.aclose()
+        if self.tracing is not None:  # flushes the last spans (bounded by its timeout)
+            await asyncio.to_thread(self.tracing.close)
 
 
 def build_app(router: Router) -> DataPlaneFront:
@@ -169,6 +179,7 @@ def build_app(router: Router) -> DataPlaneFront:
             path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
             metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
             keys=router.policy.needs, method=method, adapters=router.adapters,
+            tracing=router.tracing,
         )
         forwarded[(path, method)] = endpoint
         routes.append(Route(path, endpoint, methods=[method]))

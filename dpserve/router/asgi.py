@@ -38,6 +38,8 @@ _HOP_BY_HOP = frozenset({
 _NOT_PASSED_BACK = _HOP_BY_HOP | {b"date", b"server", REQUEST_ID_HEADER.encode()}
 # The client's key is the router's business: replicas never see it (nor a log of theirs).
 _NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", REQUEST_ID_HEADER.encode()}
+TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+"""W3C trace context: replaced by the router span's when tracing is on."""
 # Bytes no header value may hold (RFC 9110 §5.5): a CR or LF would start a new header
 # line, or a new request, on the replica's side. Tab is allowed.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -134,17 +136,19 @@ def request_id(scope: Scope) -> str:
     return f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
-def upstream_header_block(scope: Scope, request_id: str, content_length: int | None) -> bytes:
+def upstream_header_block(scope: Scope, request_id: str, content_length: int | None,
+                          trace: bytes = b"") -> bytes:
     """The client's headers for the replica, as the lines of an HTTP/1.1 head (the
     blank line included), with the request id and the body's length.
 
     Left out: hop-by-hop headers, those the client's `Connection` names, its framing
     (the router frames the body itself: `content_length`, or none for a bodiless
     request) and its `Authorization`. RouterError(400) for a value holding a control
-    character, which could split the head on the replica's side.
+    character, which could split the head on the replica's side. With `trace` (the
+    router span's `traceparent` lines) the client's trace headers give way to it.
     """
     headers = scope["headers"]
-    dropped = _NOT_FORWARDED
+    dropped = _NOT_FORWARDED | TRACE_HEADERS if trace else _NOT_FORWARDED
     for name, value in headers:
         if name == b"connection":
             dropped = dropped | {t.strip().lower() for t in value.split(b",")}
@@ -157,6 +161,8 @@ def upstream_header_block(scope: Scope, request_id: str, content_length: int | N
                                    "character")
         lines.append(name + b": " + value + b"\r\n")
     lines.append(b"x-request-id: " + request_id.encode("latin-1") + b"\r\n")
+    if trace:
+        lines.append(trace)
     if content_length is not None:
         lines.append(b"content-length: %d\r\n" % content_length)
     lines.append(b"\r\n")

@@ -70,6 +70,8 @@ class Stream:
     """An outgoing chunk as the client gets it (model renamed, fingerprint set)."""
     version: str | None = None
     """The weights it began on: a continuation prefers replicas serving them."""
+    trace: bytes = b""
+    """The router span's trace headers (`dpserve.router.tracing`), if tracing is on."""
 
 
 class Migrator:
@@ -204,7 +206,8 @@ class Migrator:
         origin = self._origin(replica.url)
         head = b"%s\r\nhost: %s\r\n%s" % (_CONTINUATION_LINE, origin.host_header,
                                           upstream_header_block(stream.scope,
-                                                                stream.request_id, len(data)))
+                                                                stream.request_id, len(data),
+                                                                stream.trace))
         config = self._config
         try:
             resp = await self._upstream.request(

@@ -64,6 +64,7 @@ from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.sse import EventFramer, EventTooLarge
+from dpserve.router.tracing import Span, Tracing
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
@@ -78,8 +79,9 @@ _MIGRATABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
-    __slots__ = ("adapter", "body", "client_model", "headers", "info", "line", "migration",
-                 "not_migratable", "replied", "request_id", "start", "stream")
+    __slots__ = ("adapter", "attempts", "body", "client_model", "first_byte_s", "headers",
+                 "info", "line", "migration", "not_migratable", "queue_wait_s", "replied",
+                 "request_id", "span", "start", "stream", "trace")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
         self.request_id = request_id
@@ -101,6 +103,13 @@ class Exchange:
         """A stream that may move to another replica if its own fails mid-way."""
         self.not_migratable = ""
         """Why a stream may not (`migrate.refusal`), counted if it breaks."""
+        self.span: Span | None = None
+        """The request's trace span, when tracing is on (`dpserve.router.tracing`)."""
+        self.trace = b""
+        """Its `traceparent` lines for the replica."""
+        self.attempts = 0
+        self.queue_wait_s = 0.0
+        self.first_byte_s: float | None = None
 
 
 class ProxyEndpoint:
@@ -119,8 +128,10 @@ class ProxyEndpoint:
         keys: frozenset[str] = frozenset(),
         method: str = "POST",
         adapters: Adapters | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.route = route
+        self._tracing = tracing
         self.method = method
         self._bodies = bodies
         self._pool = pool
@@ -162,6 +173,9 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex = Exchange(request_id(scope), ReplyTracker(send), time.perf_counter())
+        if self._tracing is not None:
+            ex.span = self._tracing.begin(scope["method"], self.route, scope["headers"])
+            ex.trace = self._tracing.header_lines(ex.span)
         served_by = "none"
         status = 500
         watch: DisconnectWatch | None = None
@@ -206,6 +220,17 @@ class ProxyEndpoint:
                 watch.stop()
             self._count(served_by, status)
             self._duration.observe(time.perf_counter() - ex.start)
+            if ex.span is not None:
+                self._end_span(ex, ex.span, served_by, status)
+
+    def _end_span(self, ex: Exchange, span: Span, served_by: str, status: int) -> None:
+        Tracing.end(span, status, {
+            "dpserve.request_id": ex.request_id, "dpserve.replica": served_by,
+            "gen_ai.request.model": ex.info.model, "dpserve.stream": ex.stream,
+            "dpserve.attempts": ex.attempts, "dpserve.queue_wait_s": ex.queue_wait_s,
+            "dpserve.time_to_first_byte_s": ex.first_byte_s,
+            "dpserve.migrations": len(ex.migration.state.seams) if ex.migration else None,
+            "dpserve.adapter": ex.adapter.engine_name if ex.adapter else None})
 
     def _prepare(self, ex: Exchange, scope: Scope) -> None:
         """What routing needs from the body, and the upstream request's line and head."""
@@ -229,7 +254,7 @@ class ProxyEndpoint:
         query = scope.get("query_string", b"")
         ex.line = self._request_line + (b"?" + query if query else b"")
         ex.headers = upstream_header_block(scope, ex.request_id,
-                                           len(ex.body) if self._has_body else None)
+                                           len(ex.body) if self._has_body else None, ex.trace)
 
     def _track(self, ex: Exchange, scope: Scope, payload: dict[str, Any]) -> None:
         """Make a stream migratable: its token ids are asked for and kept."""
@@ -248,7 +273,8 @@ class ProxyEndpoint:
             state=state, request_id=ex.request_id, replied=ex.replied, info=ex.info,
             scope=scope, version_of=lambda r: adapter.version if adapter is not None
             else r.weight_version,
-            finish=lambda data, version: versioned(data, adapter, client_model, version))
+            finish=lambda data, version: versioned(data, adapter, client_model, version),
+            trace=ex.trace)
 
     def _resolve_adapter(self, ex: Exchange) -> None:
         """A request naming an adapter runs on one version, named as the engines know it."""
@@ -281,6 +307,9 @@ class ProxyEndpoint:
                 if self._dispatch.queueing:
                     self._metrics.queue_wait.labels(self.route).observe(
                         time.perf_counter() - waited_from)
+            if ex.span is not None:
+                ex.queue_wait_s += time.perf_counter() - waited_from
+            ex.attempts = attempt
             tried.append(slot.replica.id)
             with slot:
                 result = await self._attempt(ex, slot, last=attempt == attempts)
@@ -294,6 +323,9 @@ class ProxyEndpoint:
             last_status = 504 if timed_out else 502
             log.warning("request %s: %s; %s", ex.request_id, last_error,
                         "retrying on another replica" if attempt < attempts else "giving up")
+            if ex.span is not None:
+                ex.span.add_event("attempt failed", {"dpserve.replica": slot.replica.id,
+                                                     "dpserve.reason": last_error})
         raise RouterError(last_status, f"no replica could serve the request ({last_error})")
 
     def _retry(self, slot: Slot, stream: bool, last: bool, status: int | None = None) -> bool:
@@ -362,7 +394,7 @@ class ProxyEndpoint:
             else:
                 payload = versioned(payload, ex.adapter, ex.client_model, version)
             out_headers.append((b"content-length", str(len(payload)).encode()))
-            slot.first_byte_s = time.perf_counter() - ex.start
+            ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
             self._first_byte.observe(slot.first_byte_s)
             await ex.replied.start(resp.status, out_headers)
             await ex.replied.body(payload, more=False)
@@ -389,7 +421,7 @@ class ProxyEndpoint:
             raise RouterError(504, f"replica {replica.id} sent no token within "
                                    f"{self._config.first_byte_timeout_s:g} s") from None
         replied = ex.replied
-        slot.first_byte_s = time.perf_counter() - ex.start
+        ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
         self._first_byte.observe(slot.first_byte_s)
         await replied.start(resp.status, headers)
         if ex.migration is not None:
