@@ -35,7 +35,6 @@ from typing import Any
 from dpserve.config import RouterConfig
 from dpserve.router.adapters import (
     Adapters,
-    AdapterVersion,
     list_models,
     rewrite_model,
     versioned,
@@ -55,6 +54,7 @@ from dpserve.router.breaker import Outcome, classify
 from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError, sse_error_event
+from dpserve.router.exchange import Exchange
 from dpserve.router.metrics import RouterMetrics, status_class
 from dpserve.router.migrate import StreamState, upstream_body
 from dpserve.router.migration import Broken, Migrator, Stream
@@ -64,7 +64,7 @@ from dpserve.router.pool import ReplicaPool
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.sse import EventFramer, EventTooLarge
-from dpserve.router.tracing import Span, Tracing
+from dpserve.router.tracing import Tracing
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("dpserve.proxy")
@@ -74,42 +74,6 @@ log = logging.getLogger("dpserve.proxy")
 _UNREACHABLE = (OSError,)
 
 _MIGRATABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
-class Exchange:
-    """One client request on its way through the proxy: what every step reads."""
-
-    __slots__ = ("adapter", "attempts", "body", "client_model", "first_byte_s", "headers",
-                 "info", "line", "migration", "not_migratable", "queue_wait_s", "replied",
-                 "request_id", "span", "start", "stream", "trace")
-
-    def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
-        self.request_id = request_id
-        self.replied = replied
-        self.start = start
-        """`time.perf_counter()` when the request arrived."""
-        self.body = b""
-        self.info = RequestInfo(route="")
-        self.stream = False
-        self.line = b""
-        """The upstream request line less its version: `POST /v1/completions?query`."""
-        self.headers = b""
-        """The upstream header block after `host`, blank line included."""
-        self.adapter: AdapterVersion | None = None
-        """The adapter version the request runs on, if it names an adapter."""
-        self.client_model = ""
-        """The `model` the client sent (answers are renamed back to it)."""
-        self.migration: Stream | None = None
-        """A stream that may move to another replica if its own fails mid-way."""
-        self.not_migratable = ""
-        """Why a stream may not (`migrate.refusal`), counted if it breaks."""
-        self.span: Span | None = None
-        """The request's trace span, when tracing is on (`dpserve.router.tracing`)."""
-        self.trace = b""
-        """Its `traceparent` lines for the replica."""
-        self.attempts = 0
-        self.queue_wait_s = 0.0
-        self.first_byte_s: float | None = None
 
 
 class ProxyEndpoint:
@@ -221,16 +185,7 @@ class ProxyEndpoint:
             self._count(served_by, status)
             self._duration.observe(time.perf_counter() - ex.start)
             if ex.span is not None:
-                self._end_span(ex, ex.span, served_by, status)
-
-    def _end_span(self, ex: Exchange, span: Span, served_by: str, status: int) -> None:
-        Tracing.end(span, status, {
-            "dpserve.request_id": ex.request_id, "dpserve.replica": served_by,
-            "gen_ai.request.model": ex.info.model, "dpserve.stream": ex.stream,
-            "dpserve.attempts": ex.attempts, "dpserve.queue_wait_s": ex.queue_wait_s,
-            "dpserve.time_to_first_byte_s": ex.first_byte_s,
-            "dpserve.migrations": len(ex.migration.state.seams) if ex.migration else None,
-            "dpserve.adapter": ex.adapter.engine_name if ex.adapter else None})
+                Tracing.end(ex.span, status, ex.span_attributes(served_by))
 
     def _prepare(self, ex: Exchange, scope: Scope) -> None:
         """What routing needs from the body, and the upstream request's line and head."""
