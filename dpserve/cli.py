@@ -4,6 +4,7 @@
     dpserve router --replica URL [--replica URL ...] | --discover dns://NAME:PORT [--base-model DIR]
     dpserve deploy CHECKPOINT_DIR | --watch OUTPUT_DIR [--router URL]
     dpserve status [--router URL]
+    dpserve top [--router URL] [--interval S]
     dpserve demo [--model DIR] [--steps N] [--run-dir DIR]
     dpserve build-tiny-model --output DIR
     dpserve config-reference [--write FILE | --check FILE]
@@ -105,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_router, _add_deploy, _add_status, _add_finetune,
+    for add in (_add_serve, _add_router, _add_deploy, _add_status, _add_top, _add_finetune,
                 _add_export_merged, _add_demo, _add_config_reference, _add_build_tiny_model):
         add(sub)
     return parser
@@ -219,6 +220,14 @@ def _add_deploy(sub: Subparsers) -> None:
 def _add_status(sub: Subparsers) -> None:
     status = sub.add_parser("status", help="replicas, their state, load and weight version")
     _admin_client_flags(status)
+
+
+def _add_top(sub: Subparsers) -> None:
+    top = sub.add_parser("top", help="a live view of the replicas: load, tokens/s, TTFT, "
+                                     "GPU or CPU use; q quits")
+    _admin_client_flags(top)
+    top.add_argument("--interval", type=float, default=2.0,
+                     help="seconds between refreshes (default 2)")
 
 
 def _add_finetune(sub: Subparsers) -> None:
@@ -358,6 +367,10 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         from dpserve.config_reference import run
 
         return run(build_parser(), write=ns.write, check=ns.check)
+    if ns.command == "top":
+        from dpserve.top.app import run_top
+
+        return run_top(ns)
     if ns.command in ("deploy", "status"):
         from dpserve.rollout.client import run_admin_command
 

@@ -1,0 +1,106 @@
+"""The `dpserve top` screen: a Textual app that polls the router and redraws a table.
+
+Thin on purpose: reading is `dpserve.top.fetch`, figures are `dpserve.top.window`,
+text is `dpserve.top.view`. Textual draws with ANSI escapes on the terminal it runs
+in (the alternate screen, restored on exit), so it works the same over SSH; `q`
+quits (as does Textual's own ctrl+q).
+
+One worker owns the HTTP client and loops read → draw → sleep, so refreshes never
+overlap however slow the router answers; it is cancelled when the app exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Static
+
+from dpserve.rollout.client import DEFAULT_ROUTER, AdminError, read_admin_key
+from dpserve.top.fetch import Refresh, RouterReader
+from dpserve.top.view import COLUMNS, cells, summary
+from dpserve.top.window import History
+
+STATE_STYLES = {"ready": "green", "starting": "cyan", "draining": "yellow",
+                "reloading": "magenta", "down": "bold red"}
+
+
+class TopApp(App[int]):
+    """The live view of the replicas behind the router at `url`."""
+
+    TITLE = "dpserve top"
+    CSS = """
+    #header { height: 1; background: $panel; padding: 0 1; }
+    #problems { height: auto; color: $error; padding: 0 1; }
+    DataTable { height: 1fr; }
+    """
+    BINDINGS = [Binding("q", "quit", "quit")]
+
+    def __init__(self, url: str, admin_key: str | None, *, interval_s: float) -> None:
+        super().__init__()
+        self.url = url.rstrip("/")
+        self._admin_key = admin_key
+        self.interval_s = interval_s
+        self.history = History()
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"dpserve top · {self.url} · connecting…", id="header")
+        yield DataTable(id="replicas", show_cursor=False, zebra_stripes=True)
+        yield Static("", id="problems")
+
+    def on_mount(self) -> None:
+        self.query_one(DataTable).add_columns(*COLUMNS)
+        self.run_worker(self._poll(), exclusive=True, exit_on_error=True)
+
+    async def _poll(self) -> None:
+        async with RouterReader(self.url, self._admin_key,
+                                timeout_s=min(max(self.interval_s, 1.0), 5.0)) as reader:
+            while True:
+                started = time.monotonic()
+                self.show(await reader.read())
+                await asyncio.sleep(max(0.0, started + self.interval_s - time.monotonic()))
+
+    def show(self, refresh: Refresh) -> None:
+        """Draw one refresh: new rows if it has a snapshot, else the last ones kept."""
+        clock = time.strftime("%H:%M:%S")
+        if refresh.snapshot is not None:
+            self.history.add(refresh.snapshot)
+            rows = self.history.rows()
+            table = self.query_one(DataTable)
+            table.clear()
+            for row in rows:
+                text = cells(row)
+                table.add_row(Text(text[0], style="bold"),
+                              Text(text[1], style=STATE_STYLES.get(row.state, "")),
+                              *text[2:], key=row.id)
+            head = f"{self.url} · {summary(rows, self.history.span_s)} · {clock}"
+        else:
+            head = f"{self.url} · no answer at {clock}"
+        self.query_one("#header", Static).update(
+            Text(f"{head} · every {self.interval_s:g} s · q quits"))
+        problems = list(refresh.problems)
+        if refresh.snapshot is None:
+            problems.append(f"retrying every {self.interval_s:g} s"
+                            + (" (the rows above are from the last answer)"
+                               if len(self.history) else ""))
+        self.query_one("#problems", Static).update(Text("\n".join(problems)))
+
+
+def run_top(ns: argparse.Namespace) -> int:
+    """`dpserve top` from parsed arguments; the exit code."""
+    try:
+        key = read_admin_key(ns.admin_key_file)
+    except (OSError, AdminError) as exc:
+        print(f"dpserve top: cannot read the admin key: {exc}", file=sys.stderr)
+        return 2
+    if not ns.interval > 0:
+        print(f"dpserve top: --interval must be above 0, got {ns.interval:g}", file=sys.stderr)
+        return 2
+    app = TopApp(ns.router or DEFAULT_ROUTER, key, interval_s=ns.interval)
+    app.run()
+    return app.return_code or 0

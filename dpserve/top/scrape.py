@@ -1,0 +1,132 @@
+"""One scrape of the router's metrics, as one :class:`ReplicaSample` per replica.
+
+Two texts feed it: the router's own `/metrics` (the device collectors of
+`dpserve.metrics`: `dpserve_gpu_*` on GPU replicas, `dpserve_replica_cpu_*` and
+`_memory_rss_bytes` on CPU ones, each labelled `replica`) and `/metrics/engines`
+(every replica's vLLM metrics, labelled `replica` by `dpserve.router.federate`).
+
+vLLM labels its series `model_name` and `engine` (several engines when one server
+runs data-parallel internally): counts, counters and histogram buckets are summed
+over those, KV-cache usage takes the fullest engine, as `dpserve.router.engine_metrics`
+does for routing. A series that is absent stays None, never a guessed 0: a replica
+that has not reported must not look idle.
+
+The text is parsed by prometheus_client's parser (a dependency already, kept with
+the format); it refuses a whole text over one malformed line, so a text that does
+not parse is a :class:`ScrapeError` and the view says which one failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpserve.router.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
+from dpserve.router.federate import LABEL
+
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+GPU_UTILIZATION = "dpserve_gpu_utilization_ratio"
+GPU_MEMORY_USED = "dpserve_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL = "dpserve_gpu_memory_total_bytes"
+CPU_UTILIZATION = "dpserve_replica_cpu_utilization_ratio"
+MEMORY_RSS = "dpserve_replica_memory_rss_bytes"
+
+_SUMMED = {RUNNING: "running", WAITING: "waiting", GENERATION_TOKENS: "generation_tokens",
+           GPU_MEMORY_USED: "gpu_memory_used_bytes",
+           GPU_MEMORY_TOTAL: "gpu_memory_total_bytes",
+           CPU_UTILIZATION: "cpu_utilization", MEMORY_RSS: "memory_rss_bytes"}
+
+
+class ScrapeError(ValueError):
+    """A metrics text that does not parse; the message says where."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSample:
+    """What one scrape says about one replica; None where nothing was reported."""
+
+    running: float | None = None
+    """Requests in the engine's running batch."""
+    waiting: float | None = None
+    """Requests the engine holds but cannot schedule yet."""
+    kv_cache_usage: float | None = None
+    """KV-cache usage, 0 to 1 (the fullest engine of the server)."""
+    generation_tokens: float | None = None
+    """Tokens generated since the engine started (a counter)."""
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
+    """The engine's time-to-first-token histogram: (upper bound in seconds, cumulative
+    count) by rising bound, `+Inf` last; empty when not reported."""
+    gpu_utilization: float | None = None
+    """Mean utilization (0 to 1) of the GPUs the replica runs on."""
+    gpu_memory_used_bytes: float | None = None
+    gpu_memory_total_bytes: float | None = None
+    cpu_utilization: float | None = None
+    """CPU time per wall time per core the replica is bound to (CPU replicas)."""
+    memory_rss_bytes: float | None = None
+    """Resident memory of the replica's process tree (CPU replicas)."""
+
+
+@dataclass
+class _Acc:
+    sums: dict[str, float] = field(default_factory=dict)
+    kv: float | None = None
+    buckets: dict[float, float] = field(default_factory=dict)
+    gpu_util: list[float] = field(default_factory=list)
+
+    def sample(self) -> ReplicaSample:
+        return ReplicaSample(
+            kv_cache_usage=self.kv,
+            ttft_buckets=tuple(sorted(self.buckets.items())),
+            gpu_utilization=(sum(self.gpu_util) / len(self.gpu_util)
+                             if self.gpu_util else None),
+            **{attr: self.sums[attr] for attr in _SUMMED.values() if attr in self.sums},
+        )
+
+
+def samples(text: str, source: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample in a Prometheus text; ScrapeError naming
+    `source` if it does not parse."""
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                yield s.name, s.labels, s.value
+    except ValueError as exc:
+        raise ScrapeError(f"{source} does not parse: {exc}") from None
+
+
+def parse_replicas(router_text: str | None, engines_text: str | None
+                   ) -> dict[str, ReplicaSample]:
+    """Per-replica samples from the router's `/metrics` and `/metrics/engines` texts
+    (None: that text is missing). Samples without a `replica` label are left out, as
+    is a GPU no replica uses (`replica="none"`)."""
+    acc: dict[str, _Acc] = {}
+    for text, source in ((router_text, "/metrics"), (engines_text, "/metrics/engines")):
+        if text is None:
+            continue
+        for name, labels, value in samples(text, source):
+            replica = labels.get(LABEL)
+            if replica is None or replica == "none" or math.isnan(value):
+                continue
+            _add(acc.setdefault(replica, _Acc()), name, labels, value)
+    return {replica: a.sample() for replica, a in acc.items()}
+
+
+def _add(a: _Acc, name: str, labels: dict[str, str], value: float) -> None:
+    if name in _SUMMED:
+        attr = _SUMMED[name]
+        a.sums[attr] = a.sums.get(attr, 0.0) + value
+    elif name == KV_CACHE_USAGE:
+        a.kv = value if a.kv is None else max(a.kv, value)
+    elif name == TTFT_BUCKET:
+        try:
+            le = float(labels["le"])
+        except (KeyError, ValueError):
+            return
+        a.buckets[le] = a.buckets.get(le, 0.0) + value
+    elif name == GPU_UTILIZATION:
+        a.gpu_util.append(value)
+

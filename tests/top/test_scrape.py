@@ -1,0 +1,95 @@
+"""Scrapes of the router's `/metrics` and `/metrics/engines` become per-replica samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dpserve.metrics.fake_nvml import FakeGpu, FakeNvml
+from dpserve.metrics.gpu import GpuCollector
+from dpserve.router.federate import merge_expositions
+from dpserve.top.scrape import ReplicaSample, ScrapeError, parse_replicas
+from tests.fakes import fake_engine_metrics
+
+
+def vllm_text(*, engines: int = 1, tokens: float = 0.0, waiting: float = 0.0,
+              kv: tuple[float, ...] = (0.0,), ttft: dict[str, float] | None = None) -> str:
+    """An exposition shaped like vLLM 0.32's, one label set per engine."""
+    lines = ["# TYPE vllm:num_requests_waiting gauge",
+             *(f'vllm:num_requests_waiting{{engine="{e}",model_name="m"}} {waiting}'
+               for e in range(engines)),
+             "# TYPE vllm:kv_cache_usage_perc gauge",
+             *(f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {kv[e % len(kv)]}'
+               for e in range(engines)),
+             "# TYPE vllm:generation_tokens counter",
+             *(f'vllm:generation_tokens_total{{engine="{e}",model_name="m"}} {tokens}'
+               for e in range(engines)),
+             "# TYPE vllm:time_to_first_token_seconds histogram"]
+    for e in range(engines):
+        for le, count in (ttft or {}).items():
+            lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{e}",le="{le}",'
+                         f'model_name="m"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
+def test_engine_series_are_summed_per_replica_and_kv_takes_the_fullest_engine():
+    engines = merge_expositions([
+        ("r0", vllm_text(engines=2, tokens=10, waiting=3, kv=(0.25, 0.5),
+                         ttft={"0.1": 1, "0.5": 2, "+Inf": 2})),
+        ("r1", vllm_text(tokens=7)),
+    ])
+    samples = parse_replicas(None, engines)
+    assert samples["r0"].generation_tokens == 20
+    assert samples["r0"].waiting == 6
+    assert samples["r0"].kv_cache_usage == 0.5
+    assert samples["r0"].ttft_buckets == ((0.1, 2.0), (0.5, 4.0), (math.inf, 4.0))
+    assert samples["r1"].generation_tokens == 7
+    assert samples["r1"].ttft_buckets == ()
+
+
+def test_the_shared_fakes_exposition_gives_running_and_its_ttft_histogram():
+    samples = parse_replicas(None, merge_expositions([("r0", fake_engine_metrics(2, 5))]))
+    assert samples["r0"].running == 2
+    assert samples["r0"].ttft_buckets == ((0.1, 5.0), (math.inf, 5.0))
+    assert samples["r0"].generation_tokens is None  # not reported: unknown, not 0
+
+
+def test_gpu_replicas_get_their_gpus_utilization_and_memory_from_the_router_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    nvml = FakeNvml([FakeGpu(f"GPU-{i}", utilization_percent=40 + i) for i in range(3)])
+    registry = CollectorRegistry()
+    collector = GpuCollector.open(nvml, replicas=lambda: {0: "r0", 1: "r1"})
+    assert collector is not None
+    registry.register(collector)
+    samples = parse_replicas(generate_latest(registry).decode(), None)
+    assert set(samples) == {"r0", "r1"}  # the GPU no replica uses is left out
+    gpu = nvml.gpus[0]
+    assert samples["r0"].gpu_utilization == pytest.approx(0.40)
+    assert samples["r0"].gpu_memory_used_bytes == gpu.memory_used
+    assert samples["r0"].gpu_memory_total_bytes == gpu.memory_total
+    assert samples["r0"].cpu_utilization is None
+
+
+def test_cpu_replicas_get_cpu_utilization_and_rss():
+    text = ("# TYPE dpserve_replica_cpu_utilization_ratio gauge\n"
+            'dpserve_replica_cpu_utilization_ratio{replica="r0"} 0.75\n'
+            "# TYPE dpserve_replica_memory_rss_bytes gauge\n"
+            'dpserve_replica_memory_rss_bytes{replica="r0"} 3.0e9\n'
+            "# TYPE dpserve_replicas_ready gauge\n"
+            "dpserve_replicas_ready 1.0\n")
+    assert parse_replicas(text, None) == {
+        "r0": ReplicaSample(cpu_utilization=0.75, memory_rss_bytes=3.0e9)}
+
+
+def test_nan_samples_are_left_out_and_missing_texts_give_no_replicas():
+    text = ('# TYPE vllm:num_requests_waiting gauge\n'
+            'vllm:num_requests_waiting{replica="r0"} NaN\n')
+    assert parse_replicas(text, None) == {}
+    assert parse_replicas(None, None) == {}
+
+
+def test_a_text_that_does_not_parse_names_its_source():
+    with pytest.raises(ScrapeError, match="/metrics/engines does not parse"):
+        parse_replicas(None, 'vllm:num_requests_waiting{replica="r0"} many\n')

@@ -1,0 +1,110 @@
+"""Rates and TTFT percentiles over the last minute, from successive scrapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dpserve.top.scrape import ReplicaSample
+from dpserve.top.window import (
+    History,
+    Snapshot,
+    bucket_deltas,
+    counter_delta,
+    histogram_quantile,
+    rows,
+)
+
+INF = math.inf
+ADMIN = ({"id": "r0", "state": "ready", "weight_version": "step-000020", "in_flight": 2,
+          "device": "gpu:0", "models": ["tiny", "support@step-000150@1802"]},)
+
+
+def snap(at: float, **sample: object) -> Snapshot:
+    return Snapshot(at, ADMIN, {"r0": ReplicaSample(**sample)})  # type: ignore[arg-type]
+
+
+def test_a_counter_that_went_down_was_reset_and_counts_from_zero():
+    assert counter_delta(130.0, 100.0) == 30.0
+    assert counter_delta(12.0, 100.0) == 12.0
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_like_prometheus():
+    buckets = ((0.1, 50.0), (0.5, 90.0), (1.0, 100.0), (INF, 100.0))
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.7, buckets) == pytest.approx(0.1 + 0.4 * 20 / 40)
+    assert histogram_quantile(0.25, buckets) == pytest.approx(0.05)  # lowest starts at 0
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 9 / 10)
+
+
+def test_a_rank_in_the_inf_bucket_is_the_highest_finite_bound():
+    assert histogram_quantile(0.99, ((0.1, 1.0), (1.0, 2.0), (INF, 10.0))) == 1.0
+
+
+def test_no_observations_or_no_inf_bucket_is_no_quantile():
+    assert histogram_quantile(0.5, ((0.1, 0.0), (INF, 0.0))) is None
+    assert histogram_quantile(0.5, ((0.1, 3.0),)) is None
+    assert histogram_quantile(0.5, ()) is None
+
+
+def test_bucket_deltas_subtract_the_older_scrape_and_restart_after_a_reset():
+    old = ((0.1, 10.0), (INF, 12.0))
+    assert bucket_deltas(((0.1, 15.0), (INF, 20.0)), old) == ((0.1, 5.0), (INF, 8.0))
+    assert bucket_deltas(((0.1, 1.0), (INF, 2.0)), old) == ((0.1, 1.0), (INF, 2.0))
+    assert bucket_deltas(((0.1, 1.0), (INF, 2.0)), ()) == ((0.1, 1.0), (INF, 2.0))
+
+
+def test_tokens_per_second_is_over_the_window_not_since_the_engine_started():
+    history = History(window_s=60)
+    history.add(snap(0.0, generation_tokens=1_000_000))
+    history.add(snap(30.0, generation_tokens=1_000_300))
+    history.add(snap(60.0, generation_tokens=1_001_200))
+    assert history.rows()[0].tokens_per_s == pytest.approx(1200 / 60)
+    history.add(snap(90.0, generation_tokens=1_001_500))  # the scrape at 0 s leaves
+    assert len(history) == 3 and history.span_s == 60
+    assert history.rows()[0].tokens_per_s == pytest.approx(1200 / 60)
+
+
+def test_one_scrape_has_no_rates_yet():
+    [row] = rows([snap(0.0, generation_tokens=50, ttft_buckets=((0.1, 3.0), (INF, 3.0)))])
+    assert row.tokens_per_s is None and row.ttft_p50_s is None and row.ttft_p99_s is None
+
+
+def test_ttft_percentiles_count_only_the_first_tokens_of_the_window():
+    slow_past = ((0.1, 0.0), (1.0, 0.0), (10.0, 1000.0), (INF, 1000.0))
+    fast_now = ((0.1, 100.0), (1.0, 100.0), (10.0, 1100.0), (INF, 1100.0))
+    [row] = rows([snap(0.0, ttft_buckets=slow_past), snap(60.0, ttft_buckets=fast_now)])
+    assert row.ttft_p50_s == pytest.approx(0.05)
+    assert row.ttft_p99_s == pytest.approx(0.099)
+
+
+def test_an_idle_window_has_no_ttft_rather_than_zero():
+    same = ((0.1, 5.0), (INF, 5.0))
+    [row] = rows([snap(0.0, ttft_buckets=same), snap(2.0, ttft_buckets=same)])
+    assert row.ttft_p50_s is None
+
+
+def test_a_restarted_replica_rates_from_its_new_counters():
+    [row] = rows([snap(0.0, generation_tokens=5000), snap(10.0, generation_tokens=40)])
+    assert row.tokens_per_s == pytest.approx(4.0)
+
+
+def test_a_replica_that_appears_mid_window_rates_from_its_first_scrape():
+    history = [Snapshot(0.0, ADMIN, {}), snap(10.0, generation_tokens=100),
+               snap(20.0, generation_tokens=300)]
+    assert rows(history)[0].tokens_per_s == pytest.approx(20.0)
+
+
+def test_rows_carry_the_admin_view_and_pick_gpu_or_cpu_figures():
+    gpu = rows([snap(0.0, gpu_utilization=0.5, gpu_memory_used_bytes=7.0,
+                     gpu_memory_total_bytes=8.0, waiting=3.0)])[0]
+    assert (gpu.id, gpu.state, gpu.version, gpu.in_flight) == ("r0", "ready", "step-000020", 2)
+    assert gpu.adapters == ("support@step-000150@1802",)
+    assert (gpu.utilization_of, gpu.utilization, gpu.memory_used_bytes,
+            gpu.memory_total_bytes, gpu.waiting) == ("gpu", 0.5, 7.0, 8.0, 3.0)
+    cpu = rows([snap(0.0, cpu_utilization=0.9, memory_rss_bytes=3e9)])[0]
+    assert (cpu.utilization_of, cpu.utilization, cpu.memory_used_bytes,
+            cpu.memory_total_bytes) == ("cpu", 0.9, 3e9, None)
+    bare = rows([snap(0.0)])[0]
+    assert (bare.utilization_of, bare.utilization, bare.waiting) == ("", None, None)
