@@ -3,7 +3,7 @@
 Thin on purpose: reading is `dpserve.top.fetch`, figures are `dpserve.top.window`,
 text is `dpserve.top.view`. Textual draws with ANSI escapes on the terminal it runs
 in (the alternate screen, restored on exit), so it works the same over SSH; `q`
-quits (as does Textual's own ctrl+q).
+or ctrl+c quits.
 
 One worker owns the HTTP client and loops read → draw → sleep, so refreshes never
 overlap however slow the router answers; it is cancelled when the app exits.
@@ -39,7 +39,8 @@ class TopApp(App[int]):
     #problems { height: auto; color: $error; padding: 0 1; }
     DataTable { height: 1fr; }
     """
-    BINDINGS = [Binding("q", "quit", "quit")]
+    # ctrl+c too, as in `top`: Textual's own ctrl+c only says to press ctrl+q.
+    BINDINGS = [Binding("q", "quit", "quit"), Binding("ctrl+c", "quit", show=False)]
 
     def __init__(self, url: str, admin_key: str | None, *, interval_s: float) -> None:
         super().__init__()

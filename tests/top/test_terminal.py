@@ -86,9 +86,9 @@ async def shows(term: Terminal, *texts: str, within_s: float = 30) -> str:
         raise AssertionError(f"{exc}; the screen:\n{term.capture()}") from None
 
 
-async def quits_cleanly(term: Terminal) -> None:
-    """`q` ends `dpserve top` with status 0 and nothing of it left running."""
-    term.keys("q")
+async def quits_cleanly(term: Terminal, key: str = "q") -> None:
+    """`key` ends `dpserve top` with status 0 and nothing of it left running."""
+    term.keys(key)
     await wait_for(lambda: term.exit_status() is not None, "dpserve top to exit",
                    within_s=15, every_s=0.1)
     assert term.exit_status() == 0
@@ -145,4 +145,4 @@ async def test_a_router_that_wants_an_admin_key_is_a_message_not_a_traceback(
             screen = await shows(term, "the router refused the admin key (HTTP 401",
                                  "DPSERVE_ADMIN_KEY", "retrying every 0.5 s")
             assert "Traceback" not in screen
-            await quits_cleanly(term)
+            await quits_cleanly(term, "C-c")  # as `top` quits
