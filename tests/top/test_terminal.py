@@ -99,7 +99,7 @@ async def quits_cleanly(term: Terminal, key: str = "q") -> None:
 
 
 def row(screen: str, replica: str) -> str:
-    """The line of `replica`'s row (table cells are separated by spaces and bars)."""
+    """The line of `replica`'s row (its first word is the replica id)."""
     lines = [ln for ln in screen.splitlines() if ln.split() and ln.split()[0] == replica]
     assert lines, f"no row for {replica}:\n{screen}"
     return lines[0]
