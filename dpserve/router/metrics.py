@@ -4,17 +4,27 @@ Names start with `dpserve_`, values are in base units, labels are bounded:
 `route` is the route template (a handful of fixed paths), `replica` the replica
 id, `status_class` one of 2xx/3xx/4xx/5xx. Gauges that mirror the pool (in
 flight, state) are read from it at scrape time rather than kept twice.
+
+Every series a dashboard or an alert reads has a sample from the first scrape:
+children of closed label sets (routes, outcomes, reasons) are made at 0 when
+the metrics are, and a replica's at 0 when it joins the pool. A counter that
+only appeared at its first event would show "No data" on a healthy fleet, and
+`rate()`/`increase()` would miss that first event (there is no earlier sample to
+count from). A replica that leaves the pool (DNS discovery) drops its series,
+so a fleet that scales keeps its label sets bounded by the replicas it has.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import time
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dpserve.router.pool import ReplicaPool, ReplicaState
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -46,6 +56,22 @@ FRONT_REJECTIONS = ("header_timeout", "body_timeout", "header_too_large",
 """Values of `reason` on dpserve_front_rejections_total (dpserve.router.front.REASONS)."""
 
 
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+          "/detokenize", "/v1/models")
+"""Values of `route`: the paths the router forwards (dpserve.router.app.FORWARDED_ROUTES)."""
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
+"""Values of `status_class` (`status_class()`)."""
+REPLICA_STATUS_CLASSES = ("2xx", "4xx", "5xx")
+"""The classes made at 0 for each replica: what a forwarded request ends with (vLLM
+sends no 1xx or 3xx), so an error ratio reads 0, not "No data", before the first error."""
+ROUTER_STATUS_CLASSES = ("4xx", "5xx")
+"""The classes made at 0 for `replica="none"` (answered by the router itself: refused,
+or no replica could serve)."""
+LEFT_SWEEP_S = 3600.0
+"""How long a replica's series are swept again after it left the pool: a request still
+on it when it left may finish (and count) later, which would bring a series back."""
+
+
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
@@ -53,7 +79,8 @@ def status_class(status: int) -> str:
 class RouterMetrics:
     """The router's metrics, in a registry of its own (no process-global state)."""
 
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ReplicaPool, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "dpserve_requests",
@@ -210,9 +237,66 @@ class RouterMetrics:
 
         self.registry.register(_PoolCollector(pool))
         self.registry.register(_WeightVersionCollector(pool))
+        self.registry.register(_DemandCollector(pool, self.queue_depth))
+
+        for route in ROUTES:  # from 0, like every closed label set (module docstring)
+            for child in (self.request_duration, self.time_to_first_byte, self.retries,
+                          self.queue_wait, self.client_disconnects):
+                child.labels(route)
+            for sc in ROUTER_STATUS_CLASSES:
+                self.requests.labels(route, "none", sc)
+        self._clock = clock
+        self._left: dict[str, float] = {}
+        """Replicas that left the pool -> when; swept at each render for LEFT_SWEEP_S."""
+        for replica in pool:
+            self.add_replica(replica.id)
+        pool.on_membership(lambda r: self.add_replica(r.id), self._replica_left)
 
     def render(self) -> bytes:
+        self._sweep()
         return generate_latest(self.registry)
+
+    def add_replica(self, replica: str) -> None:
+        """Make every series of `replica` at 0 (its breaker closed): a replica that joins
+        shows on the dashboards at once, and its first failure counts in `increase()`."""
+        self._left.pop(replica, None)
+        for route in ROUTES:
+            for sc in REPLICA_STATUS_CLASSES:
+                self.requests.labels(route, replica, sc)
+            self.stream_errors.labels(route, replica)
+        for counter in (self.health_check_failures, self.replica_restarts,
+                        self.engine_scrape_errors):
+            counter.labels(replica)
+        for outcome in DEPLOY_OUTCOMES:
+            self.replica_reloads.labels(replica, outcome)
+        self.set_breaker_state(replica, "closed")
+
+    def remove_replica(self, replica: str) -> None:
+        """Drop every series labelled `replica` (the replica left the fleet for good)."""
+        for route in ROUTES:
+            for sc in STATUS_CLASSES:
+                _remove(self.requests, route, replica, sc)
+            _remove(self.stream_errors, route, replica)
+        for counter in (self.health_check_failures, self.replica_restarts,
+                        self.engine_scrape_errors):
+            _remove(counter, replica)
+        for outcome in DEPLOY_OUTCOMES:
+            _remove(self.replica_reloads, replica, outcome)
+        for state in BREAKER_STATES:
+            _remove(self.breaker_state, replica, state)
+
+    def _replica_left(self, replica: Replica) -> None:
+        self.remove_replica(replica.id)
+        self._left[replica.id] = self._clock()
+
+    def _sweep(self) -> None:
+        """Remove again what requests still on a departed replica counted since."""
+        now = self._clock()
+        for replica, left_at in list(self._left.items()):
+            if now - left_at > LEFT_SWEEP_S:
+                del self._left[replica]
+            else:
+                self.remove_replica(replica)
 
     def set_breaker_state(self, replica: str, state: str) -> None:
         """Mark `state` (one of BREAKER_STATES) as the replica's breaker state."""
@@ -220,6 +304,11 @@ class RouterMetrics:
             raise ValueError(f"breaker state {state!r} is not one of {BREAKER_STATES}")
         for s in BREAKER_STATES:
             self.breaker_state.labels(replica, s).set(1.0 if s == state else 0.0)
+
+
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # prometheus_client < 0.21 raises for a missing one
+        metric.remove(*labels)
 
 
 class _PoolCollector(Collector):
@@ -267,3 +356,34 @@ class _WeightVersionCollector(Collector):
         for r in self._pool:
             info.add_metric([r.id, r.weight_version or "unknown"], 1.0)
         return [info]
+
+
+class _DemandCollector(Collector):
+    """`dpserve_requests_outstanding`: the requests this router holds, waiting in its queue
+    or in flight on a replica, read at scrape time (the queue depth as last refreshed).
+
+    This is the engines' autoscaling signal (deploy/k8s/components/autoscaling): summed
+    over routers it is the fleet's demand, and replicas needed = demand / the requests
+    one engine serves well. In flight already holds what an engine queues
+    (`vllm:num_requests_waiting`: the router's request is open until the engine
+    answers), so adding that would count it twice. Unlike a waiting count, which is 0
+    whenever the fleet keeps up, demand stays proportional to load: it also tells the
+    autoscaler how far it may scale down. Replicas draining, reloading or leaving
+    (removed from the pool, their requests still finishing) count: what they run is
+    still demand."""
+
+    def __init__(self, pool: ReplicaPool, queue_depth: Gauge) -> None:
+        self._pool = pool
+        self._queue_depth = queue_depth
+
+    def collect(self) -> Iterable[Metric]:
+        queued = sum(s.value for m in self._queue_depth.collect() for s in m.samples)
+        demand = GaugeMetricFamily(
+            "dpserve_requests_outstanding",
+            "Requests this router holds: waiting in its queue plus in flight on a replica "
+            "(the engines' autoscaling signal; sum over routers).",
+        )
+        held = sum(r.in_flight for r in self._pool) + sum(
+            r.in_flight for r in self._pool.leaving())
+        demand.add_metric([], queued + held)
+        return [demand]

@@ -71,6 +71,7 @@ class Replica:
 
 
 StateListener = Callable[[Replica, ReplicaState, ReplicaState], None]
+MembershipListener = Callable[[Replica], None]
 
 
 class ReplicaPool:
@@ -80,6 +81,9 @@ class ReplicaPool:
             raise ValueError(f"replica ids must be unique, got {ids}")
         self._replicas = list(replicas)
         self._listeners: list[StateListener] = []
+        self._joined: list[MembershipListener] = []
+        self._left: list[MembershipListener] = []
+        self._leaving: list[Replica] = []
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas)
@@ -107,6 +111,8 @@ class ReplicaPool:
         if self.get(replica.id) is not None:
             raise ValueError(f"replica id {replica.id!r} is already in the pool")
         self._replicas.append(replica)
+        for listener in self._joined:
+            listener(replica)
 
     def remove(self, replica_id: str, reason: str) -> Replica | None:
         """Take a replica out of the pool for good (its engine is gone). It is marked
@@ -117,10 +123,24 @@ class ReplicaPool:
             return None
         self.set_state(replica, ReplicaState.DOWN, reason)
         self._replicas.remove(replica)
+        self._leaving = [r for r in (*self._leaving, replica) if r.in_flight]
+        for listener in self._left:
+            listener(replica)
         return replica
+
+    def leaving(self) -> list[Replica]:
+        """Replicas removed from the pool whose requests have not all finished yet."""
+        self._leaving = [r for r in self._leaving if r.in_flight]
+        return list(self._leaving)
 
     def on_state_change(self, listener: StateListener) -> None:
         self._listeners.append(listener)
+
+    def on_membership(self, joined: MembershipListener, left: MembershipListener) -> None:
+        """Call `joined` for each replica added from now on and `left` for each removed
+        (after it was marked down). Replicas already in the pool are the caller's to read."""
+        self._joined.append(joined)
+        self._left.append(left)
 
     def set_state(self, replica: Replica, state: ReplicaState, reason: str = "") -> None:
         old = replica.state
