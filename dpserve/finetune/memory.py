@@ -15,7 +15,9 @@
   gradients it leaves excluded (saved activations + transients). Watches every
   operator, so it is for calibration and benchmarks, not the trainer.
 - `peak_rss_bytes` / `peak_device_bytes`: the process' and the GPU's high-water marks,
-  everything included.
+  everything included. The trainer reads them after the second step: the first
+  allocates AdamW's state in its update, after its activations are freed, so its
+  peak lacks the optimizer state.
 """
 
 from __future__ import annotations
@@ -76,9 +78,28 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     }
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """Is `t` autocast's low-precision copy of a weight? A trainable weight's copy is
+    its cast (`ToCopyBackward0` straight from the weight's `AccumulateGrad`); a frozen
+    weight's (LoRA's base) has no autograd history: a 2-D low-precision tensor no
+    operation made, which no activation of a decoder is (those have a batch dimension,
+    and the trainer's weights are fp32). Told apart by the tensor alone: inside a
+    saved-tensor hook `torch.is_autocast_enabled()` reads False."""
+    fn = t.grad_fn
+    if fn is not None:
+        edges = fn.next_functions
+        return (type(fn).__name__ == "ToCopyBackward0" and len(edges) == 1
+                and edges[0][0] is not None and hasattr(edges[0][0], "variable"))
+    return t.dim() == 2 and not t.requires_grad and t.dtype in _LOW_PRECISION
+
+
 class ActivationMeter:
     """Around one forward and backward: `peak_bytes` = what the forward saved for the
-    backward, each storage once, parameters (and their gathered copies) excluded.
+    backward, each storage once, parameters (their FSDP-gathered copies and autocast's
+    bf16 copies too) excluded.
 
     Under non-reentrant activation checkpointing the checkpointed layers save through
     checkpoint's own hooks, so what is counted is each layer's input (which the
@@ -101,6 +122,8 @@ class ActivationMeter:
         base = t._base if t._base is not None else t  # a linear saves weight.t(), a view
         if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return t  # a weight (or an FSDP-gathered one): counted as weights, not here
+        if _is_weight_copy(base):
+            return t  # autocast's copy of a weight: the plan's `copies`, not here
         local = _local(t)
         key = _storage_key(local)
         if key not in self._seen and key not in self._params:
@@ -205,9 +228,20 @@ def peak_device_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Path) -> None:
-    """What each rank held in the first step, measured. Rank 0 prints its own and writes
-    every rank's to OUTPUT/memory.json: the numbers `dpserve finetune --plan` estimates."""
+def peak_bytes(device: torch.device) -> dict[str, int]:
+    """{"peak_rss"} and, on a GPU, {"peak_device"}: the high-water marks so far."""
+    peaks = {"peak_rss": peak_rss_bytes()}
+    device_peak = peak_device_bytes(device)  # None on CPU
+    if device_peak is not None:
+        peaks["peak_device"] = device_peak
+    return peaks
+
+
+def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Path, *,
+                  peak_steps: int = 1) -> None:
+    """What each rank held in the first step, measured, and its peaks over the first
+    `peak_steps` steps. Rank 0 prints its own and writes every rank's to
+    OUTPUT/memory.json: the numbers `dpserve finetune --plan` estimates."""
     ranks: list[Any] = [None] * d.world_size
     dist.all_gather_object(ranks, mine)
     if not d.master:
@@ -216,11 +250,13 @@ def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Pa
         {"strategy": cfg.strategy, "world_size": d.world_size, "lora_rank": cfg.lora_rank,
          "micro_batch_size": cfg.micro_batch_size, "max_seq_len": cfg.max_seq_len,
          "activation_checkpointing": cfg.activation_checkpointing,
-         "reshard_after_forward": cfg.reshard_after_forward, "ranks": ranks}, indent=2) + "\n")
+         "reshard_after_forward": cfg.reshard_after_forward, "peak_steps": peak_steps,
+         "ranks": ranks}, indent=2) + "\n")
     mib = {k: v / 2**20 for k, v in mine.items()}
     print(f"memory on rank 0 after step 1: weights {mib['weights']:,.1f} MiB, gradients "
           f"{mib['grads']:,.1f} MiB, optimizer {mib['optimizer']:,.1f} MiB, activations "
           f"{mib['activations']:,.1f} MiB (first micro-batch); process peak "
           f"{mib['peak_rss']:,.0f} MiB"
-          + (f", GPU peak {mib['peak_device']:,.0f} MiB" if "peak_device" in mib else ""),
+          + (f", GPU peak {mib['peak_device']:,.0f} MiB" if "peak_device" in mib else "")
+          + (f" (steps 1-{peak_steps})" if peak_steps > 1 else ""),
           flush=True)

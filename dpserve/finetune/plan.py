@@ -9,8 +9,15 @@ meta device (no weights read, any size). The bytes follow what the trainer does:
 | gradients (fp32)  | 4P       | 4P       | 4P/N       | 4A               | 4A/N         |
 | AdamW state       | 8P       | 8P/N     | 8P/N       | 8A (zero1: 8A/N) | 8A/N         |
 | gathered (fsdp)   |          |          | 2 layers + root (ZeRO-3), every layer (ZeRO-2) |
+| bf16 copies (GPU) | 2L       | 2L       |            | 2(L + A)         |              |
 
-P parameters, A adapter parameters, N ranks. Activations, per token of a micro-batch
+P parameters, A adapter parameters, L the weights of the linear layers (all but the
+embedding and the norms), N ranks. The bf16 copies are autocast's: ddp and zero1 on a
+GPU compute each linear layer with a bf16 copy of its fp32 weight, which autocast
+caches (a trainable weight) or autograd saves (a frozen one) from the forward to the
+backward: 2L, exactly what an H100 run held for a full fine-tune (a frozen layer
+under activation checkpointing keeps its copy only while it runs). fsdp's bf16
+compute copies are its gathered parameters. Activations, per token of a micro-batch
 (elements; 4 bytes each in fp32 on CPU, about 2 under bf16 autocast on GPU, plus the
 fp32 loss): 8h + 4i + 2·kv saved per decoder layer (h hidden, i MLP width, kv the
 key/value width), and 3h + V for the embedding, final norm and loss (V vocabulary) —
@@ -29,8 +36,9 @@ an activation-checkpointed run needs: Llama 3's V = 128256 is 31 x h.
 itself (~0.5 GiB per process) and communication buffers come on top: the verdict
 keeps 10% headroom.
 
-The GPU figures (bf16 autocast) follow the same count in 2-byte elements but have
-not been measured on a GPU: the tests run on CPU.
+The GPU figures (bf16 autocast) follow the same count in 2-byte elements, checked on
+an H100 (benchmarks/gpu_check.py precision): what autograd saves is within 0.85-1.16 of
+the estimate on the test shapes under ddp and fsdp; the tests run on CPU.
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ class Shape:
     vocab: int
     lora_params_per_rank: int
     """Adapter parameters per unit of LoRA rank on the chosen targets."""
+    linear_params: int = 0
+    """Weights of every linear layer (autocast computes them from bf16 copies)."""
+    layer_linear_params: int = 0
+    """The linear weights of the largest decoder layer."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,12 @@ class Estimate:
     activations: float
     transient: float
     """On top of the saved activations at the step's peak (see the module docstring)."""
+    copies: float = 0.0
+    """Autocast's bf16 copies of the linear weights (ddp and zero1 on a GPU)."""
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.gathered
+        return (self.weights + self.grads + self.optimizer + self.gathered + self.copies
                 + self.activations + self.transient)
 
 
@@ -112,6 +126,9 @@ def model_shape(model_dir: str, lora_targets: list[str]) -> Shape:
     params = sum(p.numel() for p in model.parameters())  # tied weights are one Parameter
     lora = sum(m.in_features + m.out_features for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets)
+    def linear(module: torch.nn.Module) -> int:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
     text = getattr(config, "text_config", config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -120,7 +137,8 @@ def model_shape(model_dir: str, lora_targets: list[str]) -> Shape:
                                         for layer in layers),
         layers=len(layers), hidden=text.hidden_size, intermediate=text.intermediate_size,
         kv_width=(getattr(text, "num_key_value_heads", None) or heads) * head_dim,
-        vocab=text.vocab_size, lora_params_per_rank=lora)
+        vocab=text.vocab_size, lora_params_per_rank=lora, linear_params=linear(model),
+        layer_linear_params=max(linear(layer) for layer in layers))
 
 
 class _PerToken(NamedTuple):
@@ -165,11 +183,27 @@ def transient_bytes(shape: Shape, setup: Setup) -> float:
     return float(setup.micro_batch * setup.seq_len * max(t.logits, in_layer))
 
 
+def copy_bytes(shape: Shape, setup: Setup, adapter: int) -> float:
+    """Autocast's bf16 copies of the linear weights under ddp and zero1 on a GPU: a
+    trainable weight's copy is cached for the whole step, a frozen one's saved for the
+    backward — under activation checkpointing only outside the layers and for the
+    layer being recomputed."""
+    if not setup.gpu or setup.strategy == "fsdp":
+        return 0.0
+    if setup.lora_rank is None:
+        return 2.0 * shape.linear_params
+    frozen = shape.linear_params
+    if setup.activation_checkpointing:
+        frozen -= (shape.layers - 1) * shape.layer_linear_params
+    return 2.0 * (frozen + adapter)
+
+
 def estimate(shape: Shape, setup: Setup) -> Estimate:
     n = setup.world_size
     p = shape.params
     act = activation_bytes(shape, setup), transient_bytes(shape, setup)
     a = shape.lora_params_per_rank * setup.lora_rank if setup.lora_rank is not None else 0
+    copies = copy_bytes(shape, setup, a)
     if setup.strategy == "fsdp":
         compute = 2 if setup.gpu else 4
         root = p - shape.layers * shape.layer_params
@@ -183,9 +217,9 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
         return Estimate(4 * p / n, 4 * p / n, 8 * p / n, float(gathered), *act)
     if setup.lora_rank is not None:
         opt = 8 * a / (n if setup.strategy == "zero1" else 1)
-        return Estimate(4 * (p + a), 4 * a, opt, 0.0, *act)
+        return Estimate(4 * (p + a), 4 * a, opt, 0.0, *act, copies=copies)
     opt = 8 * p / (n if setup.strategy == "zero1" else 1)
-    return Estimate(4 * p, 4 * p, opt, 0.0, *act)
+    return Estimate(4 * p, 4 * p, opt, 0.0, *act, copies=copies)
 
 
 def device_memory(local_ranks: int, override_gib: float | None) -> tuple[float, str]:
@@ -232,6 +266,7 @@ def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: st
     for label, value in (("weights", chosen.weights), ("gradients", chosen.grads),
                          ("optimizer (AdamW)", chosen.optimizer),
                          ("gathered parameters", chosen.gathered),
+                         ("bf16 weight copies", chosen.copies),
                          ("activations", chosen.activations),
                          ("peak transient", chosen.transient), ("total", chosen.total)):
         lines.append(f"  {label:<22}{_fmt(value):>14}")

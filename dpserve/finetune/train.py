@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,13 +39,7 @@ from dpserve.config import ConfigError
 from dpserve.finetune.config import FinetuneConfig, add_arguments, build_finetune_config
 from dpserve.finetune.data import DataError, ExampleDataset, collate, load_dataset
 from dpserve.finetune.dist import Dist, setup_distributed
-from dpserve.finetune.memory import (
-    ActivationMeter,
-    peak_device_bytes,
-    peak_rss_bytes,
-    report_memory,
-    state_bytes,
-)
+from dpserve.finetune.memory import ActivationMeter, peak_bytes, report_memory, state_bytes
 from dpserve.finetune.progress import LossLog, Progress
 from dpserve.finetune.state import load_train_state, save
 from dpserve.finetune.strategy import Parallel, wrap
@@ -102,6 +96,16 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
                            ignore_index=-100, reduction="sum")
 
 
+def autocast_for(cfg: FinetuneConfig, d: Dist) -> Callable[[], Any]:
+    """What the loop enters around each forward and backward: bf16 autocast on a GPU
+    (fp32 master weights, bf16 matmuls), nothing on CPU (bf16 matmuls are slow there)
+    nor under fsdp, whose mixed-precision policy already computes in bf16 (autocast
+    would cast twice)."""
+    if d.device.type == "cuda" and cfg.strategy != "fsdp":
+        return partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def loss_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
@@ -146,10 +150,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     data = _load_data(cfg, d, tokenizer)
     t = _build_trainee(cfg, d, output, data.max_steps)
-    # fsdp casts with its own mixed-precision policy; autocast would cast twice.
-    autocast = (partial(torch.autocast, "cuda", dtype=torch.bfloat16)
-                if d.device.type == "cuda" and cfg.strategy != "fsdp"
-                else contextlib.nullcontext)
+    autocast = autocast_for(cfg, d)
     consumed = t.start_step * cfg.grad_accum
     stream = micro_batches(data.loader, data.sampler, consumed // data.batches_per_epoch,
                            consumed % data.batches_per_epoch)
@@ -164,6 +165,12 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         _announce(cfg, d, data, t, global_batch)
 
     step, last_loss, run_steps = t.start_step, float("nan"), 0
+    # What a rank holds is measured in the first step, but AdamW allocates its state
+    # only in that step's update, once the activations are freed: the peak of a step
+    # that holds both is the second's (on an H100, 2 GiB more for a 270M model).
+    # Reported once the second step ran (the first, if the run has only one).
+    planned = min(data.max_steps - t.start_step, cfg.stop_after_steps or data.max_steps)
+    report_after, measured = (2 if planned >= 2 else 1), None
     epoch = consumed // data.batches_per_epoch
     last_saved = t.start_step if t.resumed_from is not None else -1
     while step < data.max_steps:
@@ -173,10 +180,13 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
             epoch, batch = next(stream)
             micro.append({k: v.to(d.device) for k, v in batch.items()})
         last_loss, n_tokens, held = _step(cfg, d, t, micro, autocast, measure=run_steps == 0)
-        if held is not None:
-            report_memory(cfg, d, held, output)
+        measured = held or measured
         step += 1
         run_steps += 1
+        if measured is not None and run_steps == report_after:
+            report_memory(cfg, d, {**measured, **peak_bytes(d.device)}, output,
+                          peak_steps=run_steps)
+            measured = None
         lr = float(t.scheduler.get_last_lr()[0])
         seconds = time.perf_counter() - t0
         blocked, _ = t.par.comm.take()
@@ -316,11 +326,7 @@ def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch
     par.optimizer.step()
     held = None
     if meter is not None:
-        held = {**state_bytes(par.model, par.optimizer), "activations": meter.peak_bytes,
-                "peak_rss": peak_rss_bytes()}
-        device_peak = peak_device_bytes(d.device)  # None on CPU
-        if device_peak is not None:
-            held["peak_device"] = device_peak
+        held = {**state_bytes(par.model, par.optimizer), "activations": meter.peak_bytes}
     par.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     with par.comm.blocking():

@@ -203,3 +203,63 @@ def test_plan_on_a_directory_without_config_is_one_line(tmp_path):
     done = plan(tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == f"dpserve finetune: model: {tmp_path} has no config.json"
+
+
+class _WeightCasts:
+    """Saved-tensor hooks recording autocast's casts of trainable weights (a saved
+    tensor whose autograd edge is `ToCopyBackward0` of a weight), each storage once."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            if hasattr(fn.next_functions[0][0], "variable"):
+                self.bytes.setdefault(base.untyped_storage().data_ptr(),
+                                      base.untyped_storage().nbytes())
+        return t
+
+
+def test_the_plan_counts_autocasts_bf16_weight_copies_under_ddp_on_a_gpu(gqa_model):
+    """On a GPU ddp and zero1 compute every linear layer from a bf16 copy of its fp32
+    weight, held from the forward to the backward: 2 bytes per linear weight (measured
+    on an H100: exactly that). CPU autocast caches the same copies, so it checks the
+    count here; fsdp's bf16 copies are its gathered parameters, and CPU runs in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    shape = model_shape(str(gqa_model), TARGETS)
+    model = AutoModelForCausalLM.from_pretrained(gqa_model, dtype=torch.float32)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    ids = torch.randint(4, 500, (2, 32))
+    casts = _WeightCasts()
+    with torch.autograd.graph.saved_tensors_hooks(casts.pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        token_loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                               "labels": ids}).backward()
+    assert sum(casts.bytes.values()) == 2 * linear
+    for strategy in ("ddp", "zero1"):
+        assert estimate(shape, Setup(strategy, 2, 1, 64, gpu=True)).copies == 2 * linear
+        checkpointed = Setup(strategy, 2, 1, 64, gpu=True, activation_checkpointing=True)
+        assert estimate(shape, checkpointed).copies == 2 * linear  # autocast's cache
+    assert estimate(shape, Setup("fsdp", 2, 1, 64, gpu=True)).copies == 0
+    assert estimate(shape, Setup("ddp", 2, 1, 64, gpu=False)).copies == 0
+    lora = estimate(shape, Setup("ddp", 1, 1, 64, gpu=True, lora_rank=8))
+    assert lora.copies == 2 * (linear + 8 * shape.lora_params_per_rank)
+    gpu = estimate(shape, Setup("ddp", 1, 1, 64, gpu=True))
+    assert gpu.total == pytest.approx(gpu.weights + gpu.grads + gpu.optimizer + gpu.copies
+                                      + gpu.activations + gpu.transient)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_autocasts_weight_copies_are_not_counted_as_activations(frozen):
+    """Under autocast a linear layer saves a bf16 copy of its weight (cached when the
+    weight trains, made per call when it is frozen, as LoRA's base): the plan's copies,
+    not activations. Its input's bf16 copy, saved for the weight's gradient, is one."""
+    layer = torch.nn.Linear(512, 512, bias=False).requires_grad_(not frozen)
+    x = torch.randn(2, 8, 512, requires_grad=True)
+    with ActivationMeter() as saved, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x * 2).sum().backward()
+    assert x.grad is not None  # the weight's copy was saved, for this gradient
+    assert saved.peak_bytes == (0 if frozen else 2 * 8 * 512 * 2)  # not 512 x 512 x 2

@@ -7,6 +7,7 @@ micro-batch or accumulation, and a resumed run continues exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +122,41 @@ def test_progress_shows_the_global_batch_and_each_step(tiny_model, train_data, t
     assert "global batch 8 = micro-batch 2 x world 2 x accumulation 2" in out
     assert "step      1/2" in out and "tok/s" in out and "eta" in out
     assert "eval loss" in out
+
+
+def test_memory_peaks_cover_a_step_that_holds_the_optimizer_state(tiny_model, train_data,
+                                                                  tmp_path, world_1_batch_8):
+    """AdamW allocates its state in the first update, after the activations are freed:
+    the peaks are read after the second step, which holds both (on an H100 the first
+    step's GPU peak was 2 GiB short for a 270M model). A one-step run reports its step."""
+    longer = json.loads((world_1_batch_8.parent / "memory.json").read_text())
+    assert longer["peak_steps"] == 2 and longer["ranks"][0]["peak_rss"] > 0
+    done = finetune(tiny_model, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "memory.json").read_text())["peak_steps"] == 1
+    line, = [x for x in done.stdout.splitlines() if x.startswith("memory on rank 0")]
+    assert "process peak" in line and "(steps" not in line
+
+
+def test_autocast_is_bf16_on_a_gpu_except_under_fsdp_and_off_on_cpu():
+    """fsdp computes in bf16 through its mixed-precision policy (checked on an H100:
+    bf16 weights and outputs, fp32 gradients); autocast on top would cast twice."""
+    import contextlib
+
+    from dpserve.finetune.config import FinetuneConfig
+    from dpserve.finetune.dist import Dist
+    from dpserve.finetune.train import autocast_for
+
+    def on(device: str, strategy: str) -> object:
+        cfg = FinetuneConfig(model="m", data="", output="", strategy=strategy)
+        return autocast_for(cfg, Dist(0, 0, 1, torch.device(device)))
+
+    for strategy in ("ddp", "zero1"):
+        gpu = on("cuda", strategy)
+        assert (gpu.func, gpu.args, gpu.keywords) == (  # type: ignore[attr-defined]
+            torch.autocast, ("cuda",), {"dtype": torch.bfloat16})
+    assert on("cuda", "fsdp") is contextlib.nullcontext
+    assert all(on("cpu", s) is contextlib.nullcontext for s in ("ddp", "zero1", "fsdp"))
 
 
 def test_keep_last_prunes_older_checkpoints(tiny_model, train_data, tmp_path):
