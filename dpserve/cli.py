@@ -383,8 +383,6 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
             ns.checkpoint = str(merged)
         return run_admin_command(ns)
 
-    from dpserve.serve import PortInUseError  # heavy imports only when serving
-
     if ns.command == "build-tiny-model":
         from dpserve.tinymodel import build_tiny_model
 
@@ -422,6 +420,10 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
             return run_plan(build_finetune_config(ns, plan_only=True), ns.device_memory_gib,
                             ns.plan_device)
         return run_finetune(build_finetune_config(ns))
+
+    # The serving stack (uvicorn, starlette, OpenTelemetry) only now: a machine set up
+    # to fine-tune or to build the tiny model needs none of it.
+    from dpserve.serve import PortInUseError
 
     file_values = load_yaml(ns.config)
     if extra and ns.command != "serve":
