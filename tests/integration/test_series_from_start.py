@@ -1,0 +1,23 @@
+"""A just-started real `dpserve serve` (vLLM replicas) already has a sample of every
+`dpserve_*` series its dashboard and alert rules read: the check of
+tests/router/test_series.py, on the real thing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Deployment
+from tests.router.test_series import GPU_SERIES, PROCESS_SERIES, missing, sample_names
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_started_deployment_has_every_series_the_dashboard_and_rules_read(
+        deployment: Deployment):
+    text = httpx.get(deployment.base_url + "/metrics", timeout=10).text
+    # `dpserve serve` reads GPUs through NVML where it finds them, else the replicas'
+    # processes: one of the two sets, never both.
+    has_gpus = bool(set(GPU_SERIES) & sample_names(text))
+    assert has_gpus != bool(set(PROCESS_SERIES) & sample_names(text))
+    assert missing(text, PROCESS_SERIES if has_gpus else GPU_SERIES) == set()
