@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.router.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
-from dpserve.router.federate import LABEL
+
+LABEL = "replica"
+"""The label `dpserve.router.federate` adds to engine samples and the device collectors
+put on theirs (not imported from federate: that would load the router's web stack)."""
 
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
