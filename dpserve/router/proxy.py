@@ -115,6 +115,9 @@ class ProxyEndpoint:
         self._duration = metrics.request_duration.labels(route)
         self._first_byte = metrics.time_to_first_byte.labels(route)
         self._counted: dict[tuple[str, int], Any] = {}
+        # A replica that leaves drops its series; one that comes back under the same id
+        # gets new ones, which the cache must not hide.
+        pool.on_membership(lambda r: None, lambda r: self._counted.clear())
         self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
         self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)

@@ -28,6 +28,7 @@ from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.conftest import running_router
 from tests.deploy.test_grafana import metric_names
 from tests.router.test_discovery import StubResolver
+from tests.waiting import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -172,3 +173,19 @@ async def test_the_demand_gauge_counts_queued_and_in_flight_requests():
         assert demand() == 7.0
     metrics.queue_depth.set(0)
     assert demand() == 0.0
+
+
+async def test_a_replica_that_leaves_and_comes_back_counts_its_requests_again(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url]) as (base, router), httpx.AsyncClient() as c:
+        assert (await c.post(base + "/v1/completions", json={"model": "fake-model"})).is_success
+        router.pool.remove("r0", "gone from DNS")
+        router.pool.add(Replica(id="r0", url=a.url))
+        await wait_for(lambda: router.pool.ready(), "r0 back in rotation")
+        assert (await c.post(base + "/v1/completions", json={"model": "fake-model"})).is_success
+        text = (await c.get(base + "/metrics")).text
+    served = [line for line in text.splitlines()
+              if line.startswith('dpserve_requests_total{replica="r0",route="/v1/completions"'
+                                 ',status_class="2xx"}')]
+    assert served == ['dpserve_requests_total{replica="r0",route="/v1/completions",'
+                      'status_class="2xx"} 1.0'], served  # the request after it came back
