@@ -159,16 +159,19 @@ class Migrator:
         try:
             before = await self._detokenize(stream, slot, prompt)
             full = await self._detokenize(stream, slot, [*prompt, *state.ids])
+            held = held_text(full, before, state.sent)
+            # Held text ending in U+FFFD: the last ids may be part of a character (the
+            # client never saw it; vLLM prints one it cannot decode, which it did see).
             for _ in range(3):  # a UTF-8 character is at most 4 bytes, so 3 tokens' worth
-                if not (full.endswith(REPLACEMENT) and state.ids):
+                if held is None or not held.endswith(REPLACEMENT) or not state.ids:
                     break
-                state.drop_last()  # its text has not come yet: generated again
+                state.drop_last()  # generated again
                 full = await self._detokenize(stream, slot, [*prompt, *state.ids])
+                held = held_text(full, before, state.sent)
         except (OSError, TimeoutError, ValueError, KeyError, TypeError, ResponseTooLarge) as exc:
             log.warning("request %s: cannot detokenize on replica %s (%s)",
                         stream.request_id, slot.replica.id, exc)
             return False
-        held = held_text(full, before, state.sent)
         if held is None:
             return False
         state.scan = StopScan.at_seam(state.stops, state.body, state.sent, held,

@@ -68,10 +68,11 @@ def state(d: Deployment, replica: str) -> str:
 
 
 
-def first_new(text: str, start: int) -> tuple[int, str]:
-    """The first text of 12 to 40 characters at or after `start` not seen before it
-    (the tiny model repeats itself)."""
-    for at in range(start, len(text)):
+def last_new(text: str, start: int) -> tuple[int, str]:
+    """The latest text of 12 to 40 characters at or after `start` not seen before it:
+    a stop string with one place to stop, as late as the greedy text allows (the tiny
+    model repeats itself)."""
+    for at in range(len(text) - 12, start - 1, -1):
         for size in range(12, 41):
             piece = text[at:at + size]
             if len(piece) == size and text.find(piece) == at:
@@ -83,10 +84,10 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
     # A stop string from well into the greedy text, 12 or more characters long: vLLM
     # holds back 11 or more characters of text, which the move must deliver; the stop
     # string completes on the replica the stream moved to, where the router checks it.
-    plain = streamed(deployment, {"max_tokens": 600})
+    plain = streamed(deployment, {"max_tokens": 900})
     text = "".join(plain["pieces"])
-    at, stop = first_new(text, len("".join(plain["pieces"][:400])))
-    body = {"max_tokens": 600, "stop": [stop]}
+    at, stop = last_new(text, len("".join(plain["pieces"][:100])))
+    body = {"max_tokens": 900, "stop": [stop]}
     reference = streamed(deployment, body)
     assert "".join(reference["pieces"]) == text[:at] and reference["stop"] == stop
 
@@ -94,7 +95,10 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
     r0 = describe(deployment, "r0")["url"]
 
     def move_at(n: int) -> None:
-        if n == 8:  # r0's engine paused mid-stream (requests kept), then drained
+        # At the first chunk the client reads, r0's engine is paused (requests kept),
+        # then drained: a client seconds behind the router (a loaded machine) still
+        # finds the stream running, hundreds of tokens before its end.
+        if n == 1:
             httpx.post(r0 + "/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
             admin(deployment, "r1", "undrain")
             moved.append(admin(deployment, "r0", "drain", move_streams=True))

@@ -280,7 +280,7 @@ def greedy_stream(d: Deployment, on_chunk: Callable[[int], None] | None = None,
     text = ""
     seams: list[dict[str, Any]] = []
     stream = client(d).completions.create(
-        model=MODEL_NAME, prompt="Once upon a time", max_tokens=240, temperature=0,
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=900, temperature=0,
         stream=True)
     for n, chunk in enumerate(stream, 1):
         text += "".join(c.text for c in chunk.choices)
@@ -300,7 +300,9 @@ def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deploymen
     httpx.post(admin + "r1/drain", timeout=10).raise_for_status()  # load and stream on r0
 
     def kill_r0_mid_stream(n: int) -> None:
-        if n == 8:
+        # Early, and in a long stream: on a loaded machine the client may read seconds
+        # behind the router, which must still be relaying when r0 dies.
+        if n == 2:
             httpx.post(admin + "r1/undrain", timeout=10).raise_for_status()
             os.killpg(old_pid, signal.SIGKILL)  # the API server and its engine core
 
