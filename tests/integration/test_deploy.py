@@ -285,7 +285,9 @@ def test_each_replica_answered_a_warm_up_request_before_it_entered_rotation(flee
     a client request can reach it, not by the first deploy's canary while it serves."""
     f = fleet
     router_metrics = httpx.get(f.d.base_url + "/metrics", timeout=10).text
-    assert "dpserve_requests_total{" not in router_metrics  # no client request yet
+    requests = [line for line in router_metrics.splitlines()
+                if line.startswith("dpserve_requests_total{")]
+    assert requests and all(line.endswith(" 0.0") for line in requests), requests  # none yet
     log = f.d.log()
     for replica in f.replicas():
         assert replica["state"] == "ready"
