@@ -26,6 +26,7 @@ from dpserve.top.fetch import Refresh, RouterReader
 from dpserve.top.view import COLUMNS, cells, summary
 from dpserve.top.window import History
 
+FETCH_TIMEOUT_S = 5.0
 STATE_STYLES = {"ready": "green", "starting": "cyan", "draining": "yellow",
                 "reloading": "magenta", "down": "bold red"}
 
@@ -59,8 +60,9 @@ class TopApp(App[int]):
         self.run_worker(self._poll(), exclusive=True, exit_on_error=True)
 
     async def _poll(self) -> None:
-        async with RouterReader(self.url, self._admin_key,
-                                timeout_s=min(max(self.interval_s, 1.0), 5.0)) as reader:
+        # Not tied to --interval: the router gives each replica 2 s on a scrape of
+        # /metrics/engines, and 1 s here cut scrapes of two busy CPU replicas.
+        async with RouterReader(self.url, self._admin_key, timeout_s=FETCH_TIMEOUT_S) as reader:
             while True:
                 started = time.monotonic()
                 self.show(await reader.read())
