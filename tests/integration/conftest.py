@@ -15,6 +15,7 @@ import pytest
 
 from dpserve.demo import serve_command, wait_ready
 from dpserve.replicas.launcher import free_port
+from tests.otlp import OtlpReceiver
 from tests.procs import process_alive, processes_in_group
 
 __all__ = ["process_alive", "processes_in_group"]
@@ -80,8 +81,11 @@ def spawn_deployment(model: Path, workdir: Path, *, replicas: int,
     return Deployment(f"http://127.0.0.1:{port}", proc, log_path)
 
 
-def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment:
-    deployment = spawn_deployment(model, workdir, replicas=replicas)
+def start_deployment(model: Path, workdir: Path, *, replicas: int,
+                     serve_args: tuple[str, ...] = (),
+                     env: dict[str, str] | None = None) -> Deployment:
+    deployment = spawn_deployment(model, workdir, replicas=replicas, serve_args=serve_args,
+                                  env=env)
     try:
         wait_ready(deployment.base_url, deployment.proc, READY_DEADLINE_S)
     except BaseException:
@@ -91,8 +95,19 @@ def start_deployment(model: Path, workdir: Path, *, replicas: int) -> Deployment
 
 
 @pytest.fixture(scope="session")
-def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve"), replicas=2)
+def otlp() -> Iterator[OtlpReceiver]:
+    """Where the session's deployment sends its traces (router and engines)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               otlp: OtlpReceiver) -> Iterator[Deployment]:
+    """With tracing on, so every fault test runs with it too (spans leave every 0.5 s)."""
+    d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve"), replicas=2,
+                         serve_args=("--otlp-traces-endpoint", otlp.url),
+                         env={"OTEL_BSP_SCHEDULE_DELAY": "500"})
     yield d
     d.stop()
 
