@@ -41,6 +41,8 @@ class GenerationRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    logprobs: bool = False
+    """A completion asked for the chosen tokens' logprobs (`logprobs` >= 0)."""
 
 
 def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
@@ -78,7 +80,8 @@ def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
     stream = bool(body.get("stream", False))
     return GenerationRequest(kind, ids, max_tokens, stream,
                              stream and isinstance(options, dict)
-                             and bool(options.get("include_usage")))
+                             and bool(options.get("include_usage")),
+                             logprobs=kind != "chat" and body.get("logprobs") not in (None, False))
 
 
 def _invalid(message: str, param: str, value: Any = None) -> ProtocolError:
@@ -125,6 +128,10 @@ def _chat_prompt(messages: Any) -> list[int]:
 # --- responses ---------------------------------------------------------------------------
 
 
+LOGPROB = -0.5
+"""Every simulated token's logprob: finite, below 0, as a sane model's."""
+
+
 def output_text(prompt_ids: list[int], start: int, count: int) -> str:
     """Text of output tokens `start .. start+count-1`: deterministic pseudo-tokens, each
     a space and two characters, so the text re-encodes to `count` tokens."""
@@ -152,6 +159,11 @@ def full_response(req: GenerationRequest, rid: str, created: int, model: str,
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                   "stop_reason": None, "prompt_logprobs": None}
+        if req.logprobs:  # what a router's warm-up and a deploy's canary check
+            pieces = _output_pieces(req.prompt_ids, 0, completion_tokens)
+            offsets = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+            choice["logprobs"] = {"tokens": pieces, "token_logprobs": [LOGPROB] * len(pieces),
+                                  "top_logprobs": None, "text_offset": offsets}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": usage(len(req.prompt_ids), completion_tokens)}
