@@ -93,6 +93,9 @@ class StreamState:
     """The router's own stop-string check, from the first seam on."""
     cut: bool = False
     """The router found a stop string: the stream ends with this chunk."""
+    shown: int = 0
+    """Ids the client got before the last seam: a continuation does not send them again
+    (those generated again after a rewind), to a client that asked for ids."""
 
     def __post_init__(self) -> None:
         self.stops = stop_strings(self.body) or []
@@ -250,6 +253,10 @@ class StreamState:
 
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
         choice = self._stop_check(choice)
+        ids = choice.get("token_ids") or []
+        first = len(self.ids) - len(ids)  # the chunk's ids were learned already
+        if self.wants_ids and self.shown > first:
+            choice = choice | {"token_ids": ids[self.shown - first:]}
         if not self.chat:
             return {k: v for k, v in choice.items() if k != "prompt_token_ids"} | {"index": 0}
         out: dict[str, Any] = {"index": 0, "delta": {"content": choice.get("text") or ""},
@@ -283,9 +290,15 @@ class StreamState:
         self.ids.pop()
         self.synced = self.counted = len(self.ids)
 
-    def rewind(self) -> None:
-        """Drop the ids after the last synced chunk: they are generated again."""
-        del self.ids[self.synced:]
+    def rewind(self, *, keep: bool = False) -> None:
+        """Drop the ids after the last synced chunk: they are generated again. With
+        `keep` (stop strings: the text of every id is asked of an engine, `stops`), all
+        stay. A client that asked for ids has them all already (`shown`)."""
+        self.shown = max(self.shown, len(self.ids))
+        if keep:
+            self.synced = len(self.ids)
+        else:
+            del self.ids[self.synced:]
         self.counted = len(self.ids)
 
     def seam(self, source: str, target: str, reason: str) -> Seam:

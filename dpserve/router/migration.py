@@ -110,7 +110,7 @@ class Migrator:
             why = self._refused(state)
             if why is not None:
                 return await self._give_up(stream, reason, "refused", detail, why, source)
-            state.rewind()
+            state.rewind(keep=bool(state.stops))
             body = continuation(state)
             if body is None:  # every token came; only the finish chunk was lost
                 last = self._chunk(stream, state.finish_chunk("length"))

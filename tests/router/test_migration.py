@@ -149,8 +149,11 @@ async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_bef
     assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in metrics
 
 
-async def test_token_ids_reach_a_client_that_asked_for_them(fake_replicas):
-    a = await fake_replicas("a", tokens=True, cut_after_tokens=4)
+@pytest.mark.parametrize("cut", [4, 6], ids=["whole", "after-a-half-character"])
+async def test_token_ids_reach_a_client_that_asked_for_them_once(fake_replicas, cut):
+    """Cut after a half character, the seam goes before it and it is generated again:
+    the client, which got its id already, does not get it twice."""
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=cut)
     b = await fake_replicas("b", tokens=True)
     async with running_router([a.url, b.url], policy="round-robin") as (base, router):
         await all_ready(router, 2)

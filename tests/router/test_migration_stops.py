@@ -78,6 +78,14 @@ async def test_a_stop_string_kept_in_the_output_when_asked(fake_replicas):
     assert text(events) == "kowmséow"
 
 
+async def test_a_client_that_asked_for_ids_gets_each_once_across_the_seam(fake_replicas):
+    body = COMPLETION | STRADDLING | {"return_token_ids": True}
+    events, _, _ = await run(fake_replicas, body, 2)  # ids sent, their text held back
+    ids = [t for e in events if isinstance(e, dict) for c in e.get("choices", [])
+           for t in c.get("token_ids") or ()]
+    assert ids == generate(prompt_ids(COMPLETION), 9)  # up to the stop's last token
+
+
 async def test_min_tokens_postpones_the_stop_across_the_seam_too(fake_replicas):
     body = COMPLETION | {"stop": "ow", "min_tokens": 4}  # "ow" at tokens 2-3 is too early
     want, stop, tokens = expected_stream(body, 12)
