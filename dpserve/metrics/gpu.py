@@ -123,10 +123,14 @@ class GpuCollector(Collector):
             CounterMetricFamily("dpserve_gpu_scrape_errors",
                                 "NVML calls that failed during a scrape; their samples "
                                 "were left out.", labels=("gpu", "field")),
+            GaugeMetricFamily("dpserve_replica_gpu_info",
+                              "1 for each GPU, naming the replica it serves: join "
+                              "dcgm-exporter's series to replicas by UUID.",
+                              labels=("replica", "gpu", "uuid", "name")),
         ]
 
     def collect(self) -> Iterable[Metric]:
-        util, used, total, power, temp, energy, errors = families = self._families()
+        util, used, total, power, temp, energy, errors, info = families = self._families()
         replicas = self._replicas()
         nvml = self._nvml
         for i in range(self._count):
@@ -135,6 +139,7 @@ class GpuCollector(Collector):
                 continue
             handle, uuid, name = identity
             labels = [str(i), uuid, name, replicas.get(i, NO_REPLICA)]
+            info.add_metric([labels[3], str(i), uuid, name], 1.0)
 
             if (rates := self._read(i, "utilization", nvml.nvmlDeviceGetUtilizationRates,
                                     handle)) is not None:

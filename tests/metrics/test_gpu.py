@@ -53,6 +53,16 @@ def test_every_gpu_is_reported_in_base_units_and_labelled_with_its_replica():
         assert got[("dpserve_gpu_energy_joules_total", labels)] == pytest.approx(9_876_543.21)
 
 
+def test_each_gpu_names_its_replica_and_uuid_for_a_join_with_dcgm():
+    got = scrape(FakeNvml(fake_gpus(3)), {0: "r0", 2: "r1"})
+    info = {dict(labels)["uuid"]: dict(labels) for (name, labels), v in got.items()
+            if name == "dpserve_replica_gpu_info" and v == 1}
+    assert info == {f"GPU-fake-{i:04d}": {"replica": r, "gpu": str(i),
+                                          "uuid": f"GPU-fake-{i:04d}",
+                                          "name": "NVIDIA H100 80GB HBM3"}
+                    for i, r in ((0, "r0"), (1, "none"), (2, "r1"))}
+
+
 def test_a_gpu_no_replica_uses_is_labelled_none():
     got = scrape(FakeNvml(fake_gpus(2)), {1: "r0"})
     assert ("dpserve_gpu_power_watts", gpu_labels(0, "none")) in got
