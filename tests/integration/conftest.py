@@ -30,7 +30,9 @@ def offline_env() -> dict[str, str]:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             # The tiny model answers in well under a second: a replica silent for 20 s
             # is frozen, and the fault tests need not wait the 600 s default.
-            "DPSERVE_FIRST_BYTE_TIMEOUT_S": "20"}
+            "DPSERVE_FIRST_BYTE_TIMEOUT_S": "20",
+            # Likewise a stream silent for 20 s mid-way: it moves to another replica.
+            "DPSERVE_STREAM_IDLE_TIMEOUT_S": "20"}
 
 
 @dataclass

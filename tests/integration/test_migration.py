@@ -2,11 +2,16 @@
 drain with `move_streams` ends exactly as an uninterrupted run, stop strings
 included. Its engine is paused first (vLLM's `/pause`, requests kept), so the move
 is sure to find the stream running: the tiny model finishes faster than a client
-reads. (Killing a replica mid-stream: tests/integration/test_serve.py.)"""
+reads. Streams that may not move fail as they always did, each reason counted, when
+their replica is killed. (A greedy stream whose replica is killed mid-way:
+tests/integration/test_serve.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -119,3 +124,102 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
     assert (got["finish"], got["stop"]) == ("stop", stop)
     assert got["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
     assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+
+
+def test_a_stream_whose_engine_stalls_moves_after_the_idle_timeout_and_ends_exactly(
+        deployment):
+    """r0's engine paused mid-stream (requests kept, sockets open: what SIGSTOP or a hung
+    GPU looks like from the router): after 20 s without a chunk the stream goes on on r1,
+    token for token what it would have been."""
+    body = {"max_tokens": 900}
+    reference = streamed(deployment, body)
+    r0 = describe(deployment, "r0")["url"]
+
+    def stall_at(n: int) -> None:
+        if n == 1:
+            httpx.post(r0 + "/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+            admin(deployment, "r1", "undrain")
+
+    admin(deployment, "r1", "drain")  # the stream starts on r0
+    try:
+        got = streamed(deployment, body, stall_at)
+    finally:
+        httpx.post(r0 + "/resume", timeout=30)
+        admin(deployment, "r1", "undrain")
+    assert [(s["from"], s["to"], s["reason"]) for s in got["seams"]] == [
+        ("r0", "r1", "stalled")]
+    assert "".join(got["pieces"]) == "".join(reference["pieces"]) and got["done"]
+    assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"] == 900
+    wait_for_sync(lambda: state(deployment, "r0") == state(deployment, "r1") == "ready",
+                  "both replicas in rotation", within_s=60)
+
+
+REFUSED = {
+    "n": {"n": 2, "temperature": 0.8},
+    "logprobs": {"logprobs": 1},
+    "penalties": {"presence_penalty": 0.5},
+    "echo": {"echo": True},
+    "seed": {"seed": 7, "temperature": 0.8},
+    "bad_words": {"bad_words": ["the"]},
+    "several_prompts": {"prompt": ["Once upon a time", "In a land far away"]},
+}
+"""A stream vLLM serves but the router may not continue as the same request, by the
+reason the router counts (dpserve.router.movable)."""
+
+
+def refusals(d: Deployment) -> dict[str, float]:
+    text = httpx.get(d.base_url + "/metrics", timeout=10).text
+    prefix = 'dpserve_migration_refusals_total{reason="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deployment):
+    """One stream per reason, all on r1, which is killed: each ends with an error event
+    and `[DONE]` (as before migration existed) and its reason is counted; none hangs.
+    r1 is restarted by the supervisor before the test ends."""
+    before = refusals(deployment)
+    pid, _ = deployment.replicas()["r1"]
+    started = {reason: threading.Event() for reason in REFUSED}
+    ended: dict[str, tuple[int, list[str]]] = {}
+
+    def run(reason: str) -> None:
+        payload = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 900, "stream": True,
+                   "ignore_eos": True, "temperature": 0} | REFUSED[reason]
+        events: list[str] = []
+        try:
+            with httpx.Client(timeout=120) as h, h.stream(
+                    "POST", deployment.base_url + "/v1/completions", json=payload) as r:
+                if r.status_code != 200:
+                    events.append(r.read().decode())
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started[reason].set()
+            ended[reason] = (r.status_code, events[-2:])
+        finally:
+            started[reason].set()  # an answer that is no stream fails the test below
+
+    admin(deployment, "r0", "drain")  # every stream on r1
+    threads = [threading.Thread(target=run, args=(reason,), daemon=True) for reason in REFUSED]
+    try:
+        for t in threads:
+            t.start()
+        for reason, event in started.items():
+            assert event.wait(60), f"the {reason} stream did not start"
+            assert reason not in ended, (reason, ended[reason])  # still running
+        admin(deployment, "r0", "undrain")
+        os.killpg(pid, signal.SIGKILL)  # the API server and its engine core
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        admin(deployment, "r0", "undrain")
+    for reason in REFUSED:
+        status, (error, done) = ended[reason]
+        assert status == 200 and done == "[DONE]", (reason, ended[reason])
+        assert "stream interrupted" in json.loads(error)["error"]["message"], (reason, error)
+    after = refusals(deployment)
+    assert {r: after.get(r, 0) - before.get(r, 0) for r in REFUSED} == dict.fromkeys(REFUSED, 1)
+    wait_for_sync(lambda: deployment.replicas()["r1"][0] != pid
+                  and state(deployment, "r1") == "ready",
+                  "r1 restarted and ready", within_s=300, every_s=1.0)
