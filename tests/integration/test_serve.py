@@ -315,8 +315,14 @@ def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deploymen
                           "requests after the kill", within_s=120)
     finally:
         httpx.post(admin + "r1/undrain", timeout=10)
-    assert [(s["from"], s["to"]) for s in seams] == [("r0", "r1")], seams
-    assert streamed == expected  # token for token: the replayed context, re-prefilled
+    # Token for token what it would have been. It moved, unless the router had relayed
+    # the whole stream before this client read its second chunk (seen once in CI on a
+    # loaded machine); a move on real vLLM is asserted in test_migration.py, where the
+    # engine is paused first.
+    if seams:
+        assert [(s["from"], s["to"], s["reason"]) for s in seams] == [
+            ("r0", "r1", "disconnected")], seams
+    assert streamed == expected
     assert load.failures() == []  # requests on r0 when it died were retried on r1
     assert replica_state(deployment, "r0") in ("down", "starting")
     # SIGKILL is delivered at once, but tearing down a 3 GB process takes a moment.
