@@ -1,9 +1,10 @@
 """Stream migration on real vLLM replicas (CPU): a stream moved mid-way by an admin
 drain with `move_streams` ends exactly as an uninterrupted run, stop strings
-included. Its engine is paused first (vLLM's `/pause`, requests kept), so the move
-is sure to find the stream running: the tiny model finishes faster than a client
-reads. Streams that may not move fail as they always did, each reason counted, when
-their replica is killed. (A greedy stream whose replica is killed mid-way:
+included. Its engine is paused first (vLLM's `/pause`, requests kept), timed by the
+tokens the engine has generated, not by what the client has read: on a loaded machine
+the client may read seconds behind, after the router has relayed the whole stream.
+Streams that may not move fail as they always did, each reason counted, when their
+replica is killed. (A greedy stream whose replica is killed mid-way:
 tests/integration/test_serve.py.)"""
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.conftest import MODEL_NAME, Deployment
+from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -72,6 +75,59 @@ def state(d: Deployment, replica: str) -> str:
     return str(describe(d, replica)["state"])
 
 
+@contextmanager
+def paused_mid_stream(d: Deployment, then: Callable[[], None] = lambda: None,
+                      after_tokens: int = 30) -> Iterator[None]:
+    """The stream started in the block runs on r0 (r1 drained); once r0's engine has
+    generated `after_tokens` tokens, it is paused with its requests kept (what SIGSTOP
+    or a hung GPU looks like to the router), r1 is back in rotation and `then` runs.
+    Counted on the engine, so the stream is still running however far behind the
+    client reads. Undone on leaving; a failure in the watcher fails the test."""
+    r0 = describe(d, "r0")
+    port = int(r0["url"].rsplit(":", 1)[1])
+    start = replica_metric(port, "vllm:generation_tokens_total")
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        try:
+            if wait_until(lambda: replica_metric(port, "vllm:generation_tokens_total")
+                          >= start + after_tokens, stop):
+                httpx.post(r0["url"] + "/pause", params={"mode": "keep"},
+                           timeout=30).raise_for_status()
+                admin(d, "r1", "undrain")
+                then()
+        except BaseException as e:  # re-raised in the test's thread
+            failed.append(e)
+
+    admin(d, "r1", "drain")
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join(timeout=60)
+        httpx.post(r0["url"] + "/resume", timeout=30)
+        admin(d, "r1", "undrain")
+        admin(d, "r0", "undrain")
+    if failed:
+        raise failed[0]
+
+
+def wait_until(condition: Callable[[], bool], stop: threading.Event,
+               within_s: float = 120.0) -> bool:
+    """Poll every 10 ms (the tiny model makes a token in ~6 ms) until `condition`;
+    False if `stop` is set first; AssertionError after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not stop.is_set():
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine did not generate in {within_s:g} s")
+        stop.wait(0.01)
+    return False
+
 
 def last_new(text: str, start: int) -> tuple[int, str]:
     """The latest text of 12 to 40 characters at or after `start` not seen before it:
@@ -97,24 +153,9 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
     assert "".join(reference["pieces"]) == text[:at] and reference["stop"] == stop
 
     moved: list[dict[str, Any]] = []
-    r0 = describe(deployment, "r0")["url"]
-
-    def move_at(n: int) -> None:
-        # At the first chunk the client reads, r0's engine is paused (requests kept),
-        # then drained: a client seconds behind the router (a loaded machine) still
-        # finds the stream running, hundreds of tokens before its end.
-        if n == 1:
-            httpx.post(r0 + "/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
-            admin(deployment, "r1", "undrain")
-            moved.append(admin(deployment, "r0", "drain", move_streams=True))
-
-    admin(deployment, "r1", "drain")  # the stream starts on r0
-    try:
-        got = streamed(deployment, body, move_at)
-    finally:
-        httpx.post(r0 + "/resume", timeout=30)
-        admin(deployment, "r1", "undrain")
-        admin(deployment, "r0", "undrain")
+    with paused_mid_stream(deployment, then=lambda: moved.append(
+            admin(deployment, "r0", "drain", move_streams=True))):
+        got = streamed(deployment, body)
     wait_for_sync(lambda: state(deployment, "r0") == state(deployment, "r1") == "ready",
                   "both replicas back in rotation", within_s=60)
     assert moved and moved[0]["moved_streams"] == 1, moved
@@ -133,19 +174,8 @@ def test_a_stream_whose_engine_stalls_moves_after_the_idle_timeout_and_ends_exac
     token for token what it would have been."""
     body = {"max_tokens": 900}
     reference = streamed(deployment, body)
-    r0 = describe(deployment, "r0")["url"]
-
-    def stall_at(n: int) -> None:
-        if n == 1:
-            httpx.post(r0 + "/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
-            admin(deployment, "r1", "undrain")
-
-    admin(deployment, "r1", "drain")  # the stream starts on r0
-    try:
-        got = streamed(deployment, body, stall_at)
-    finally:
-        httpx.post(r0 + "/resume", timeout=30)
-        admin(deployment, "r1", "undrain")
+    with paused_mid_stream(deployment):
+        got = streamed(deployment, body)
     assert [(s["from"], s["to"], s["reason"]) for s in got["seams"]] == [
         ("r0", "r1", "stalled")]
     assert "".join(got["pieces"]) == "".join(reference["pieces"]) and got["done"]
