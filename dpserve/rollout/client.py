@@ -129,13 +129,11 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
             f"replica(s), {record['options']['batch']} at a time")
     print(f"deploy {record['id']}: {record['checkpoint']}\n  {what}", file=out, flush=True)
     shown: dict[str, tuple[Any, ...]] = {}
+    replicas = ReplicaLines()
     started = time.monotonic()
     while True:
-        for r in record["replicas"]:
-            key = (r["phase"], r["note"], r["error"])
-            if r["phase"] != "pending" and shown.get(r["id"]) != key:
-                shown[r["id"]] = key
-                print("  " + _replica_line(r), file=out, flush=True)
+        for line in replicas.update(record["replicas"], time.monotonic()):
+            print("  " + line, file=out, flush=True)
         canary = record.get("canary")
         if canary and "canary" in canary:  # a line every CANARY_EVERY_S and at the end
             key = ("canary", int(canary["elapsed_s"] // CANARY_EVERY_S), "passed" in canary)
@@ -186,15 +184,59 @@ def _quality_line(q: dict[str, Any]) -> str:
     return line
 
 
-def _replica_line(r: dict[str, Any]) -> str:
-    line = f"{r['id']:<4} {r['phase']:<11}"
-    if r["phase"] in ("done", "rolled_back") and r["seconds"] is not None:
-        line += f" in {r['seconds']:.2f} s, now serving {r['version']}"
-    if r["note"]:
-        line += f" {r['note']}"
-    if r["error"]:
-        line += f" error: {r['error']}"
-    return line.rstrip()
+STEP_NAMES = {"precheck": "pre-check canary", "drain": "drain", "pause": "pause",
+              "reload": "reload", "reset_prefix_cache": "cache reset", "resume": "resume",
+              "canary": "canary", "eval": "eval", "update_weight_version": "version"}
+"""How `dpserve deploy` names the timed steps of a replica's hot-load."""
+STILL_EVERY_S = 10.0
+"""A replica in one phase this long gets a line saying so, and again each time."""
+
+
+class ReplicaLines:
+    """Each replica's progress as lines: one per phase it enters, with the steps that
+    finished since the last line and their times, and a line every `STILL_EVERY_S`
+    while a phase goes on (what the deploy is waiting for)."""
+
+    def __init__(self) -> None:
+        self._shown: dict[str, tuple[Any, ...]] = {}
+        self._steps: dict[str, set[str]] = {}
+        self._since: dict[str, float] = {}
+        self._nagged: dict[str, int] = {}
+
+    def update(self, replicas: list[dict[str, Any]], now: float) -> list[str]:
+        lines = []
+        for r in replicas:
+            if r["phase"] == "pending":
+                continue
+            key = (r["phase"], r["note"], r["error"])
+            if self._shown.get(r["id"]) != key:
+                self._shown[r["id"]] = key
+                self._since[r["id"]], self._nagged[r["id"]] = now, 0
+                lines.append(self._line(r))
+                continue
+            waited = now - self._since[r["id"]]
+            if r["phase"] in _ACTIVE and waited >= STILL_EVERY_S * (self._nagged[r["id"]] + 1):
+                self._nagged[r["id"]] += 1
+                lines.append(f"{r['id']:<4} {r['phase']:<11} still, after {waited:.0f} s")
+        return lines
+
+    def _line(self, r: dict[str, Any]) -> str:
+        line = f"{r['id']:<4} {r['phase']:<11}"
+        if r["phase"] in ("done", "rolled_back") and r["seconds"] is not None:
+            line += f" in {r['seconds']:.2f} s, now serving {r['version']}"
+        seen = self._steps.setdefault(r["id"], set())
+        new = [(k, v) for k, v in (r.get("steps") or {}).items() if k not in seen]
+        seen.update(k for k, _ in new)
+        if new:
+            line += " (" + ", ".join(f"{STEP_NAMES.get(k, k)} {v:.2f} s" for k, v in new) + ")"
+        if r["note"]:
+            line += f" {r['note']}"
+        if r["error"]:
+            line += f" error: {r['error']}"
+        return line.rstrip()
+
+
+_ACTIVE = frozenset({"precheck", "draining", "reloading", "canary", "restarting"})
 
 
 async def run_watch(client: AdminClient, output_dir: Path, options: dict[str, Any],

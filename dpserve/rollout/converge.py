@@ -202,6 +202,7 @@ class Convergence:
             # The canary on the old weights first, while the replica still serves: one that
             # cannot pass fails here, before anything changes. It costs milliseconds: the
             # engine's one-time set-up of this path was paid by its warm-up (`admit`).
+            rp.phase = Phase.PRECHECK
             try:
                 await _timed(steps, "precheck", admin.canary(model, self.options.canary_prompt))
             except EngineAdminError as exc:

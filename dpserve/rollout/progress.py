@@ -4,7 +4,7 @@ A deploy goes `validating → rolling → succeeded`, or `→ rolling_back →
 rolled_back | failed` when a step fails (`failed`: the rollback could not put
 every replica back either), or straight to `refused` when the checkpoint does
 not pass validation (no replica was touched). Each replica goes through
-`pending → draining → reloading → canary → done`, or ends `skipped` (already
+`pending → precheck → draining → reloading → canary → done`, or ends `skipped` (already
 serving the version), `restarting` (the supervisor starts it on the deployed
 weights), `failed`, or `rolled_back`.
 """
@@ -177,6 +177,7 @@ FINAL_STATES = frozenset({DeployState.SUCCEEDED, DeployState.ROLLED_BACK, Deploy
 
 class Phase(enum.StrEnum):
     PENDING = "pending"
+    PRECHECK = "precheck"
     DRAINING = "draining"
     RELOADING = "reloading"
     CANARY = "canary"

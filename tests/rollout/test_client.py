@@ -10,7 +10,14 @@ import httpx
 import pytest
 
 from dpserve.cli import main
-from dpserve.rollout.client import AdminClient, read_admin_key, run_deploy, run_status, run_watch
+from dpserve.rollout.client import (
+    AdminClient,
+    ReplicaLines,
+    read_admin_key,
+    run_deploy,
+    run_status,
+    run_watch,
+)
 from dpserve.rollout.deployed import weights_for
 from tests.conftest import running_router
 from tests.fakes import MODEL
@@ -32,12 +39,32 @@ async def test_deploy_prints_each_replica_and_exits_0(fake_replicas, tiny_model,
     assert code == 0, text
     assert f"version {version} (was base:tiny-llama), 2 replica(s), 1 at a time" in text
     assert "r0   done" in text and "r1   done" in text
+    # the phases the client saw, each with the time of the steps it took (the fakes are
+    # too quick for a 0.25 s poll to see every phase)
+    assert text.count("pre-check canary ") == 2 and text.count(" reload ") == 2
+    assert text.index("r0   done") < text.index("r1   done")
     assert "succeeded in" in text and f"{version} is deployed" in text
     table = status_out.getvalue().splitlines()
     assert table[0].split() == ["replica", "state", "in-flight", "weight", "version", "device",
                                 "url"]
     assert table[1].split()[:4] == ["r0", "ready", "0", version]
     assert table[-1].startswith("last deploy ") and "succeeded" in table[-1]
+
+
+def test_a_phase_that_lasts_gets_a_line_every_10_s_saying_what_it_waits_for():
+    lines = ReplicaLines()
+    r = {"id": "r0", "phase": "precheck", "note": "", "error": None, "steps": {},
+         "seconds": None, "version": None}
+    assert lines.update([r], 0.0) == ["r0   precheck"]
+    assert lines.update([r], 9.0) == []
+    assert lines.update([r], 10.5) == ["r0   precheck    still, after 10 s"]
+    assert lines.update([r], 12.0) == []
+    assert lines.update([r], 20.2) == ["r0   precheck    still, after 20 s"]
+    done = r | {"phase": "done", "seconds": 0.3, "version": "v2",
+                "steps": {"precheck": 21.5, "reload": 0.2}}
+    assert lines.update([done], 21.0) == [
+        "r0   done        in 0.30 s, now serving v2 (pre-check canary 21.50 s, reload 0.20 s)"]
+    assert lines.update([done], 60.0) == []  # done is not waiting for anything
 
 
 async def test_a_refused_deploy_exits_1_with_the_reason(fake_replicas, tiny_model):
