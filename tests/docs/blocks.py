@@ -1,0 +1,92 @@
+"""The shell blocks of the docs, each with what a reader may expect of it.
+
+Every ```bash / ```sh / ```console block in README.md, deploy/README.md and docs/ is
+preceded by one marker line (an HTML comment, invisible on GitHub):
+
+- `<!-- docs: run -->` — run as written by tests/docs/test_run.py, each command in
+  order in a scratch directory (below), every one exiting 0;
+- `<!-- docs: checked: WHY NOT RUN -->` — every `dpserve` / `python -m loadtest`
+  command is parsed by the program's own parser and every input it names
+  (`--model`, `--data`, `--tokenizer`, `--eval-data`) exists in the repository,
+  unless a command before it in the block writes it (`runs/...`); not run, for the
+  reason given (a fleet of its own, minutes of training, ...); what it prints is shown
+  as a real run's output and says so;
+- `<!-- docs: illustration -->` — placeholders (`/models/my-model`, other hosts, a
+  cluster): its commands are parsed, nothing else.
+
+The scratch directory of a run block links `.venv`, `build`, `dpserve`, `loadtest`
+and `benchmarks` to the repository's, so the relative paths the docs use resolve,
+and its own `runs/` takes what the commands write. Nothing else is substituted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = ("bash", "sh", "shell", "console")
+MARKER = re.compile(r"^<!-- docs: (run|checked|illustration)(?:: (.+?))? -->$")
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    line: int
+    language: str
+    kind: str | None
+    """run, checked or illustration; None: no marker (a test fails on it)."""
+    reason: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+    def script(self) -> str:
+        """The commands: the block, or the `$ ` lines of a console transcript (with their
+        continuation lines, prompts removed); the rest of a transcript is output."""
+        if self.language != "console":
+            return self.text
+        out, continuing = [], False
+        for line in self.text.splitlines():
+            if line.startswith("$ ") or continuing:
+                out.append(line.removeprefix("$ "))
+                continuing = line.rstrip().endswith("\\")
+        return "\n".join(out)
+
+    def commands(self) -> list[str]:
+        """Each command line, continuation lines joined, comments cut."""
+        found = []
+        for line in re.sub(r"\\\n\s*", " ", self.script()).splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                found.append(line)
+        return found
+
+
+def blocks(doc: Path) -> list[Block]:
+    found: list[Block] = []
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("```"):
+            i += 1
+            continue
+        language, start = lines[i][3:].strip(), i
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        if language in SHELL:
+            above = lines[start - 1].strip() if start else ""
+            marker = MARKER.match(above)
+            found.append(Block(str(doc.relative_to(ROOT)), start + 1, language,
+                               marker.group(1) if marker else None,
+                               (marker.group(2) or "") if marker else "",
+                               "\n".join(lines[start + 1:end])))
+        i = end + 1
+    return found
+
+
+def all_blocks() -> list[Block]:
+    return [b for doc in DOCS for b in blocks(doc)]

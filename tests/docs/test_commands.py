@@ -1,0 +1,134 @@
+"""Every `dpserve` and `python -m loadtest` command the docs show is one the programs
+accept: each is parsed by the real argument parser (flags, choices, required
+arguments), so a renamed or removed flag fails here, not on a reader's terminal; the
+inputs a command names exist (unless the block is an illustration); every shell
+block says whether it is run (tests/docs/blocks.py); and each command is run for
+real by a test named in `RUN_BY`."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+
+import pytest
+
+from dpserve.cli import build_parser
+from loadtest.cli import build_parser as loadtest_parser
+from tests.docs.blocks import DOCS, ROOT, Block, all_blocks
+
+COMMAND = re.compile(r"(?:^|^\$ |\S/|\s--\s)(dpserve|python -m loadtest)\s+(.*)$")
+INPUTS = {"dpserve": ("--model", "--data", "--eval-data", "--eval"),
+          "python -m loadtest": ("--tokenizer",)}
+"""Flags naming a file or directory a command reads (loadtest's `--model` is the
+served name)."""
+BUILT = "build/tiny-llama"
+"""What `make model` builds (the Makefile's MODEL_DIR); tests/docs/test_run.py runs
+the blocks with the suite's tiny model there."""
+
+
+def parsed(block: Block) -> list[tuple[str, list[str]]]:
+    """(program, argv) for each `dpserve` / `python -m loadtest` command of the block;
+    lines with placeholders (`...`, `$(...)`) are left out."""
+    found = []
+    for line in block.commands():
+        for part in re.split(r"\s(?:&&|\|)\s", line):
+            part = part.strip().removesuffix("&").strip()  # run in the background
+            match = COMMAND.search(part)
+            if match and "$(" not in part and " ... " not in f" {part} ":
+                argv = shlex.split(match.group(2).replace("$KEY", "--admin-key-file=k"))
+                found.append((match.group(1), argv))
+    return found
+
+
+def commands() -> list[tuple[str, str, list[str]]]:
+    """(block, program, argv) for each command of every shell block of the docs."""
+    return [(b.where, program, argv) for b in all_blocks() for program, argv in parsed(b)]
+
+
+BLOCKS = all_blocks()
+
+
+FOUND = commands()
+
+
+def test_the_docs_show_commands_at_all():
+    assert len(FOUND) >= 10  # the scan works: the README alone shows a dozen
+    assert len(BLOCKS) >= 20
+
+
+def test_every_shell_block_says_whether_it_is_run():
+    unmarked = [b.where for b in BLOCKS if b.kind is None]
+    assert not unmarked, ("shell blocks without a `<!-- docs: run | checked: why | "
+                          f"illustration -->` line above them: {unmarked}")
+    assert all(b.reason for b in BLOCKS if b.kind == "checked"), "checked: say why not run"
+
+
+def test_every_fenced_block_names_its_language():
+    """A bare ``` block could hide commands from the checks: outputs are ```text."""
+    for doc in DOCS:
+        inside = False
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            if line.startswith("```"):
+                assert inside or line[3:].strip(), (
+                    f"{doc.relative_to(ROOT)}:{n}: ``` without a language")
+                inside = not inside
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind in ("run", "checked")],
+                         ids=lambda b: b.where)
+def test_the_inputs_a_command_names_exist(block: Block):
+    """`--data train.jsonl` where the file is dpserve/demo_data/train.jsonl fails here;
+    an input that a command before it writes (under `runs/`) is allowed, and the tiny
+    model `make model` builds."""
+    for program, argv in parsed(block):
+        for flag, value in itertools.pairwise(argv):
+            if flag in INPUTS[program] and not value.startswith(("runs/", "/", BUILT)):
+                assert (ROOT / value).exists(), (
+                    f"{block.where}: `{program} {argv[0]} ... {flag} {value}`: "
+                    f"no {value} in the repository")
+
+
+@pytest.mark.parametrize("where, program, argv", FOUND,
+                         ids=[f"{w}:{' '.join(a[:2])}" for w, _, a in FOUND])
+def test_a_command_in_the_docs_parses(where, program, argv):
+    vllm_args = argv.index("--") if "--" in argv else None
+    if vllm_args is not None:
+        argv = argv[:vllm_args]  # after `--`: vLLM's flags, not ours
+    parser = build_parser() if program == "dpserve" else loadtest_parser()
+    try:
+        parser.parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `{program} {' '.join(argv)}` does not parse (exit {exc.code})")
+
+
+RUN_BY = {
+    ("dpserve", "serve"): "tests/integration/conftest.py::start_deployment",
+    ("dpserve", "router"): "tests/router/test_discovery.py::"
+                           "test_dpserve_router_discovers_a_replica_by_resolving_localhost",
+    ("dpserve", "finetune"): "tests/finetune/test_train.py::"
+                             "test_sigterm_saves_at_the_next_step_and_exits_cleanly",
+    ("dpserve", "export-merged"): "tests/integration/test_finetune_serving.py::"
+                                  "test_a_merged_lora_adapter_is_served_by_vllm_as_peft_runs_the_adapter",
+    ("dpserve", "deploy"): "tests/integration/test_deploy.py::"
+                           "test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
+    ("dpserve", "status"): "tests/rollout/test_client.py::"
+                           "test_deploy_prints_each_replica_and_exits_0",
+    ("dpserve", "demo"): "tests/integration/test_demo.py::"
+                         "test_the_demo_fine_tunes_and_deploys_right_answers_without_failing_a_request",
+    ("python -m loadtest", "run"): "tests/loadtest/test_cli.py::"
+                                   "test_a_run_prints_a_summary_and_writes_results_and_a_plot",
+    ("python -m loadtest", "sweep"): "tests/loadtest/test_cli.py::"
+                                     "test_a_sweep_writes_one_point_per_rate_and_a_sweep_plot",
+}
+"""For each command the docs show, the test that runs it for real (a process or the
+command's own function), beyond parsing it."""
+
+
+def test_every_command_the_docs_show_is_run_by_a_named_test():
+    shown = {(program, argv[0]) for _, program, argv in FOUND if argv}
+    assert not shown - set(RUN_BY), f"commands in the docs that no test runs: {shown - set(RUN_BY)}"
+    for where in RUN_BY.values():
+        path, name = where.split("::")
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert re.search(rf"^(async )?def {name}\(", source, re.M), f"{where} does not exist"
