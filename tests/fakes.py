@@ -7,7 +7,8 @@ fleet-scale scheduling).
 
 `FakeReplica` is an in-process aiohttp server that speaks just enough of
 vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and of its
-Prometheus `/metrics` (a few `vllm:` series, vLLM's names and labels) and can be told
+Prometheus `/metrics` (a few `vllm:` series, vLLM's names and labels, among its API
+server's and Python process's own) and can be told
 to misbehave: refuse work with an error, drop the connection before answering,
 cut a stream halfway, or stream slowly. Every test that uses it says so by
 name; the real-vLLM behaviour is covered in tests/integration.
@@ -32,9 +33,16 @@ FINGERPRINT = "vllm-0.32.0-fake"
 
 
 def fake_engine_metrics(running: int, served: int) -> str:
-    """A small exposition shaped like vLLM 0.32's: a gauge, a counter, a histogram."""
+    """A small exposition shaped like vLLM 0.32's: a gauge, a counter, a histogram, and a
+    few of its API server's `http_*` and Python client's `process_*`/`python_*` series."""
     labels = f'engine="0",model_name="{MODEL}"'
     return (
+        "# HELP python_gc_objects_collected_total Objects collected during gc\n"
+        "# TYPE python_gc_objects_collected_total counter\n"
+        'python_gc_objects_collected_total{generation="0"} 1234.0\n'
+        "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n"
+        "# TYPE process_cpu_seconds_total counter\n"
+        "process_cpu_seconds_total 12.5\n"
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
         "# TYPE vllm:num_requests_running gauge\n"
         f"vllm:num_requests_running{{{labels}}} {running:.1f}\n"
@@ -47,6 +55,10 @@ def fake_engine_metrics(running: int, served: int) -> str:
         f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} {served:.1f}\n'
         f"vllm:time_to_first_token_seconds_count{{{labels}}} {served:.1f}\n"
         f"vllm:time_to_first_token_seconds_sum{{{labels}}} {0.01 * served:.2f}\n"
+        "# HELP http_requests_total Total number of requests by method, status and handler.\n"
+        "# TYPE http_requests_total counter\n"
+        f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} '
+        f"{served:.1f}\n"
     )
 
 

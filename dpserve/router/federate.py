@@ -9,6 +9,12 @@ the scrape), adds `replica="ID"` to every sample and merges the answers into
 one exposition. On Kubernetes, where each engine is its own pod, Prometheus may
 scrape the pods directly instead (and label them from pod metadata).
 
+Only the engines' own families (`vllm:*`) are kept. A replica's `/metrics` also
+holds its API server's `http_*` (per handler) and the Python client's
+`python_*`/`process_*` series, hundreds of lines more per scrape that nothing
+reads: requests are measured on the router's own `/metrics`, and so are the
+replicas' GPUs or, for CPU replicas, their processes.
+
 Merging keeps the text format valid: a metric family appears once, with one
 `# HELP` and one `# TYPE` (the first replica's), followed by the samples of
 every replica. vLLM's names are passed through unchanged; dpserve never
@@ -31,6 +37,8 @@ from dpserve.router.pool import Replica, ReplicaPool
 
 FETCH_TIMEOUT_S = 2.0
 LABEL = "replica"
+ENGINE_PREFIX = "vllm:"
+"""The families `/metrics/engines` relays: the engine's own."""
 _SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created", "_info", "_gcount", "_gsum")
 
 
@@ -95,9 +103,11 @@ class _Family:
     samples: list[str] = field(default_factory=list)
 
 
-def merge_expositions(texts: Iterable[tuple[str, str]], label: str = LABEL) -> str:
+def merge_expositions(texts: Iterable[tuple[str, str]], label: str = LABEL,
+                      prefix: str = ENGINE_PREFIX) -> str:
     """Merge (replica id, Prometheus text) pairs into one text, every sample labelled.
 
+    Only families whose name starts with `prefix` are kept, with their HELP and TYPE.
     Families keep the order in which they first appear; HELP and TYPE come from
     the first replica that declared them. Other comments and blank lines are dropped.
     """
@@ -112,6 +122,8 @@ def merge_expositions(texts: Iterable[tuple[str, str]], label: str = LABEL) -> s
                 parts = line.split(None, 3)
                 if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
                     current = parts[2]
+                    if not current.startswith(prefix):
+                        continue
                     family = families.setdefault(current, _Family())
                     if parts[1] == "HELP" and family.help is None:
                         family.help = line
@@ -124,6 +136,8 @@ def merge_expositions(texts: Iterable[tuple[str, str]], label: str = LABEL) -> s
             if current is None or not (name == current or (
                     name.startswith(current) and name[len(current):] in _SUFFIXES)):
                 current = name  # an untyped sample starts a family of its own
+            if not current.startswith(prefix):
+                continue
             families.setdefault(current, _Family()).samples.append(
                 label_sample(line, value, label))
     out: list[str] = []

@@ -61,16 +61,35 @@ def test_merging_keeps_one_help_and_type_per_family_with_every_replica_samples()
     assert len(hist.samples) == 8
     running = families["vllm:num_requests_running"]
     assert [(s.labels["replica"], s.value) for s in running.samples] == [("r0", 2.0), ("r1", 2.0)]
-    cpu = families["process_cpu_seconds"]
-    assert {s.labels["replica"] for s in cpu.samples} == {"r0", "r1"}
+    assert "process_cpu_seconds" not in families
 
 
 def test_a_family_only_one_replica_has_is_kept_and_untyped_samples_stand_alone():
-    merged = merge_expositions([("r0", VLLM_LIKE), ("r1", "lonely 1\n# a comment\n\n")])
+    merged = merge_expositions([("r0", VLLM_LIKE),
+                                ("r1", "vllm:lonely 1\n# a comment\n\n")])
     families = {f.name: f for f in text_string_to_metric_families(merged)}
-    assert [s.labels for s in families["lonely"].samples] == [{"replica": "r1"}]
+    assert [s.labels for s in families["vllm:lonely"].samples] == [{"replica": "r1"}]
     assert "# a comment" not in merged
     assert merge_expositions([]) == ""
+
+
+def test_only_the_engines_own_families_are_relayed_with_their_help_and_type():
+    api_server = """\
+# HELP http_requests_total Total number of requests by method, status and handler.
+# TYPE http_requests_total counter
+http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 3.0
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 120.0
+untyped_thing 1
+vllm:untyped_but_ours 2
+"""
+    merged = merge_expositions([("r0", api_server + VLLM_LIKE), ("r1", VLLM_LIKE)])
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert set(families) == {"vllm:untyped_but_ours", "vllm:num_requests_running",
+                             "vllm:e2e_request_latency_seconds"}
+    assert all(line.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))
+               for line in merged.splitlines())
 
 
 async def test_engine_metrics_of_every_replica_are_served_with_a_replica_label(fake_replicas):
@@ -85,6 +104,9 @@ async def test_engine_metrics_of_every_replica_are_served_with_a_replica_label(f
     served = {s.labels["replica"]: s.value for s in families["vllm:request_success"].samples}
     assert served.keys() == {"r0", "r1"}
     assert sum(served.values()) == 1.0
+    # the replicas' API server and Python process series are not relayed
+    assert {name.split(":")[0] for name in families} == {"vllm"}
+    assert "http_requests" not in resp.text and "process_" not in resp.text
 
 
 async def test_a_replica_that_cannot_be_scraped_is_left_out_and_counted(fake_replicas):
