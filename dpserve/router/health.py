@@ -9,6 +9,12 @@ and the `admit` step runs (the engine's warm-up, the adapters it lacks: see
 other replicas' checks nor the next round.
 Replicas being drained or reloaded belong to the admin path and are left alone.
 
+A failed check counts (`on_failure`, the `dpserve_health_check_failures_total`
+counter) only for a replica that has been ready since it last started: while an
+engine loads, its `/health` refuses or answers 503 on every check for a minute,
+which is start-up, not failure. A replica back in rotation, or whose check passes
+while ready, has no `last_error` any more: the admin API shows current problems.
+
 Passive signals (a refused connection in the proxy, a process exit seen by the
 supervisor) take a replica out at once through `ReplicaPool.mark_down`; this
 loop is what brings it back.
@@ -112,7 +118,7 @@ class HealthChecker:
             replica.last_error = error
             self._pool.mark_down(replica, error)
             return
-        if error is not None and self._on_failure is not None:
+        if error is not None and replica.has_been_ready and self._on_failure is not None:
             self._on_failure(replica)
         verdict = next_state(
             replica.state, error is None, replica.health_successes, replica.health_failures,
@@ -121,6 +127,8 @@ class HealthChecker:
         replica.health_successes, replica.health_failures = verdict.successes, verdict.failures
         if error is not None:
             replica.last_error = error
+        elif replica.state is ReplicaState.READY:
+            replica.last_error = None  # a blip it recovered from
         if verdict.state is replica.state:
             return
         if verdict.state is ReplicaState.READY:

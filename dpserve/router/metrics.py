@@ -174,7 +174,8 @@ class RouterMetrics:
         )
         self.health_check_failures = Counter(
             "dpserve_health_check_failures",
-            "Health checks of a replica that failed (timeout, error, or not 200).",
+            "Health checks of a replica that failed (timeout, error, or not 200) after it "
+            "had been ready since its last start; a start-up's failing checks are not counted.",
             ["replica"],
             registry=self.registry,
         )

@@ -58,6 +58,11 @@ class Replica:
     health_failures: int = 0
     state_since: float = field(default_factory=time.monotonic)
     last_error: str | None = None
+    """Why it is out of rotation, or why its last health check failed; None once it is
+    ready and its checks pass (a problem it recovered from is not shown)."""
+    has_been_ready: bool = False
+    """Whether it has been ready since it last entered `starting` (first start, restart,
+    undrain): a health check that fails before that is a start-up probe, not a failure."""
     engine: EngineLoad | None = None
     """The engine's own report of its load at the last scrape of its /metrics."""
     engine_scraped_at: float | None = None
@@ -148,8 +153,13 @@ class ReplicaPool:
             return
         replica.state = state
         replica.state_since = time.monotonic()
-        if state is not ReplicaState.READY:
+        if state is ReplicaState.READY:
+            replica.has_been_ready = True
+            replica.last_error = None
+        else:
             replica.health_successes = 0
+        if state is ReplicaState.STARTING:
+            replica.has_been_ready = False
         if reason and state is ReplicaState.DOWN:
             replica.last_error = reason
         log.log(

@@ -10,6 +10,7 @@ import pytest
 from dpserve.config import RouterConfig
 from dpserve.router.health import HealthChecker
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from tests.conftest import running_router
 from tests.waiting import wait_for
 
 
@@ -108,3 +109,64 @@ async def test_a_replica_failing_while_it_was_admitted_stays_out(problem):
         await checker.admitted()
     assert replica.state is ReplicaState.DOWN
     assert replica.last_error == (problem or "/health answered 500")
+
+
+async def probe(replica: Replica, *statuses: int) -> list[str]:
+    """Run one check per status on `replica` (in its pool); the replicas whose failed
+    checks were counted, in order."""
+    pool = ReplicaPool([replica])
+    counted: list[str] = []
+    config = RouterConfig(unhealthy_threshold=2, healthy_threshold=2)
+    async with httpx.AsyncClient(transport=ScriptedReplicaTransport(*statuses)) as client:
+        checker = HealthChecker(pool, config, client, on_failure=lambda r: counted.append(r.id))
+        for _ in statuses:
+            await checker.check_all()
+            await checker.admitted()
+    return counted
+
+
+async def test_checks_failing_while_a_replica_starts_are_not_counted_as_failures():
+    replica = Replica(id="r0", url="http://r0")  # starting: its engine is loading
+    assert await probe(replica, 503, 503, 503, 200, 200) == []
+    assert replica.state is ReplicaState.READY
+
+
+async def test_checks_failing_once_a_replica_has_served_are_counted_until_it_restarts():
+    replica = Replica(id="r0", url="http://r0")
+    counted = await probe(replica, 200, 200, 500, 500, 500)  # ready, then down: an outage
+    assert counted == ["r0"] * 3 and replica.state is ReplicaState.DOWN
+    ReplicaPool([replica]).set_state(replica, ReplicaState.STARTING, "restarted")
+    assert await probe(replica, 503, 503) == []  # the restarted engine loading again
+
+
+async def test_a_replica_back_in_rotation_shows_no_last_error():
+    replica, seen = await check(ReplicaState.READY, 500, 500, 200, 200)
+    assert seen == [ReplicaState.READY, ReplicaState.DOWN, ReplicaState.DOWN,
+                    ReplicaState.READY]
+    assert replica.last_error is None
+
+
+async def test_a_ready_replica_whose_check_passes_again_shows_no_last_error():
+    replica, seen = await check(ReplicaState.READY, 500, 200)
+    assert seen == [ReplicaState.READY] * 2
+    assert replica.last_error is None
+
+
+async def test_the_admin_api_and_the_counter_show_only_failures_after_start(fake_replicas):
+    loading = await fake_replicas("a", healthy=False)  # an engine still loading
+    async with running_router([loading.url], unhealthy_threshold=2) as (base, router), \
+            httpx.AsyncClient() as c:
+        replica = router.pool.get("r0")
+        await wait_for(lambda: replica.last_error == "/health answered 503", "a failed probe")
+        loading.healthy = True
+        await wait_for(lambda: replica.state is ReplicaState.READY, "r0 ready")
+        assert 'dpserve_health_check_failures_total{replica="r0"} 0.0' in (
+            await c.get(base + "/metrics")).text
+        assert (await c.get(base + "/admin/replicas")).json()["replicas"][0][
+            "last_error"] is None
+        loading.healthy = False  # it fails now: counted, and shown
+        await wait_for(lambda: replica.state is ReplicaState.DOWN, "r0 down")
+        listed = (await c.get(base + "/admin/replicas")).json()["replicas"][0]
+        metrics = (await c.get(base + "/metrics")).text
+    assert listed["last_error"].startswith("2 health checks failed")
+    assert 'dpserve_health_check_failures_total{replica="r0"} 0.0' not in metrics

@@ -40,3 +40,16 @@ def test_served_models_are_those_of_ready_replicas():
 def test_replica_ids_must_be_unique():
     with pytest.raises(ValueError, match="unique"):
         ReplicaPool([Replica(id="a", url="u"), Replica(id="a", url="v")])
+
+
+def test_a_replica_turning_ready_has_no_last_error_and_has_been_ready_until_it_restarts():
+    pool = make_pool(ReplicaState.READY)
+    replica = pool.get("r0")
+    pool.mark_down(replica, "connection refused")
+    assert replica.last_error == "connection refused"
+    pool.set_state(replica, ReplicaState.READY, "health checks pass")
+    assert replica.last_error is None and replica.has_been_ready
+    pool.set_state(replica, ReplicaState.DOWN, "process exited with code 1")
+    assert replica.has_been_ready  # its failed checks while down are an outage
+    pool.set_state(replica, ReplicaState.STARTING)
+    assert not replica.has_been_ready  # the restarted engine is loading
