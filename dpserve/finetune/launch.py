@@ -16,11 +16,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from dpserve import checkpoint as ckpt
 from dpserve.config import ConfigError
 from dpserve.finetune.config import FinetuneConfig, lora_targets, training_argv
+from dpserve.finetune.progress import fmt_duration
 from dpserve.replicas.launcher import visible_gpus
 
 DEFAULT_CPU_PROCS = 2
@@ -113,6 +115,8 @@ def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
 def run_finetune(cfg: FinetuneConfig) -> int:
     from dpserve.finetune.data import DataError
 
+    started = time.monotonic()
+
     if Path(cfg.model).is_dir():  # checkpoints name their base: absolute, valid anywhere
         cfg = dataclasses.replace(cfg, model=str(Path(cfg.model).absolute()))
     try:
@@ -131,7 +135,12 @@ def run_finetune(cfg: FinetuneConfig) -> int:
     stopper = _GracefulStop(proc)
     previous = {s: signal.signal(s, stopper.handle) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return proc.wait()
+        code = proc.wait()
+        took = fmt_duration(time.monotonic() - started)
+        print(f"dpserve finetune: finished in {took} (wall time, start-up included)"
+              if code == 0 else f"dpserve finetune: failed after {took} (exit code {code})",
+              file=sys.stdout if code == 0 else sys.stderr, flush=True)
+        return code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -46,7 +46,7 @@ class Progress:
         eta = elapsed / done * (self.total - step) if done else math.nan
         print(f"step {step:>6}/{self.total}  loss {loss:.4f}  lr {lr:.3e}  "
               f"{tok_s:,.0f} tok/s  {smp_s:,.1f} samples/s  "
-              f"step {compute_ms:,.0f}+{comm_ms:,.0f} ms (compute+comm)  eta {_fmt(eta)}",
+              f"step {compute_ms:,.0f}+{comm_ms:,.0f} ms (compute+comm)  eta {fmt_duration(eta)}",
               flush=True)
 
     def note(self, message: str) -> None:
@@ -54,10 +54,12 @@ class Progress:
             print(message, flush=True)
 
     def close(self, *, comm_itemised: bool = True) -> None:
-        """The run's summary: wall time, samples/s, and where the step time went."""
+        """The training loop's summary: its time (from the first step: the model and
+        data are loaded by then; `dpserve finetune` prints the whole run's wall time),
+        samples/s, and where the step time went."""
         if not self.enabled:
             return
-        line = f"done in {_fmt(time.perf_counter() - self._t0)}"
+        line = f"training loop done in {fmt_duration(time.perf_counter() - self._t0)}"
         if self._steps:
             secs = self._step_seconds or 1e-9
             share = 100 * self._comm_seconds / secs
@@ -70,7 +72,7 @@ class Progress:
         print(line, file=sys.stdout, flush=True)
 
 
-def _fmt(seconds: float) -> str:
+def fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     m, s = divmod(int(seconds), 60)

@@ -115,10 +115,19 @@ def test_a_checkpoint_is_complete_servable_and_described(tiny_model, world_2_bat
 
 
 def test_progress_shows_the_global_batch_and_each_step(tiny_model, train_data, tmp_path):
+    t0 = time.monotonic()
     done = finetune(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2,
                     grad_accum=2, max_steps=2, log_every=1, eval_data=train_data, eval_every=1)
+    took = time.monotonic() - t0
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    # the summary is the run's wall time (processes, model and data loading included),
+    # not the training loop's alone
+    finished = out.splitlines()[-1]
+    assert finished.startswith("dpserve finetune: finished in "), out[-2000:]
+    h, m, s = (int(x) for x in finished.split()[4].split(":"))
+    assert took / 2 <= 3600 * h + 60 * m + s <= took, (finished, took)  # start-up: seconds
+    assert "training loop done in " in out
     assert "global batch 8 = micro-batch 2 x world 2 x accumulation 2" in out
     assert "step      1/2" in out and "tok/s" in out and "eta" in out
     assert "eval loss" in out
