@@ -46,10 +46,14 @@ async def checks(transport: PausableReplicaTransport, script: list[bool | None],
 
 
 async def test_a_paused_replica_leaves_rotation_at_once_and_returns_once_resumed():
-    replica, seen = await checks(PausableReplicaTransport(), [False, True, True, False, False])
-    down, ready = ReplicaState.DOWN, ReplicaState.READY
-    assert seen == [ready, down, down, down, ready]  # out on the first sight, back after 2
+    transport = PausableReplicaTransport()
+    replica, seen = await checks(transport, [False, True])
+    assert seen == [ReplicaState.READY, ReplicaState.DOWN]  # out on the first sight
     assert replica.last_error == PAUSED
+    replica, seen = await checks(transport, [True, True, False, False])
+    down, ready = ReplicaState.DOWN, ReplicaState.READY
+    assert seen == [down, down, down, ready]  # back after 2 good checks once resumed
+    assert replica.last_error is None  # a pause it is out of is no current problem
 
 
 async def test_a_replica_paused_by_this_routers_own_deploy_is_left_to_it():
