@@ -6,7 +6,8 @@ fakes says there why it is separate (one job each: timing, processes, overhead,
 fleet-scale scheduling).
 
 `FakeReplica` is an in-process aiohttp server that speaks just enough of
-vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat) and of its
+vLLM's OpenAI API (`/health`, `/v1/models`, completions, chat, or embeddings for an
+embedding model; FastAPI's `{"detail": "Not Found"}` on a path it does not mount) and of its
 Prometheus `/metrics` (a few `vllm:` series, vLLM's names and labels, among its API
 server's and Python process's own) and can be told
 to misbehave: refuse work with an error, drop the connection before answering,
@@ -17,6 +18,7 @@ name; the real-vLLM behaviour is covered in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ from tests import fake_tokens
 MODEL = "fake-model"
 FINGERPRINT = "vllm-0.32.0-fake"
 """What vLLM writes in `system_fingerprint` (its version and a config hash)."""
+_compact = functools.partial(json.dumps, separators=(",", ":"))
+"""JSON as FastAPI writes it (no spaces)."""
 
 
 def fake_engine_metrics(running: int, served: int) -> str:
@@ -66,10 +70,17 @@ def fake_engine_metrics(running: int, served: int) -> str:
 class FakeReplica:
     name: str
     mode: str = "ok"
-    """ok | error400 | error500 | error503 | drop (close before answering)
+    """ok | error<STATUS> (error400, error500, ...: answer that status, in the OpenAI
+    envelope unless `error_answer` says otherwise) | drop (close before answering)
     | cut (stream 2 chunks and half of a third, then close: a replica killed mid-event)
     | hang (answer nothing; streams hang after their first chunk)
     | mute (answer nothing, streams included: a stopped server that still accepts)"""
+    error_answer: tuple[str, bytes] | None = None
+    """(content type, body) of the error modes' answers instead of the OpenAI envelope:
+    another server's shape (FastAPI's `{"detail": [...]}`, a proxy's HTML page)."""
+    task: str = "generate"
+    """generate | embed: the model's task, which decides its routes as in vLLM 0.32
+    (completions and chat for `generate`, `/v1/embeddings` for `embed`)."""
     chunks: int = 4
     chunk_delay_s: float = 0.0
     requests: list[dict] = field(default_factory=list)
@@ -128,8 +139,11 @@ class FakeReplica:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        generative = ("/v1/completions", "/v1/chat/completions") if self.task == "generate" else ()
+        for path in (*generative, "/tokenize", "/detokenize"):
             app.router.add_post(path, self._generate)
+        if self.task == "embed":
+            app.router.add_post("/v1/embeddings", self._embed)
         self._add_dev_endpoints(app)
         self._runner, self.port = await start_app(app)
         return self
@@ -144,7 +158,10 @@ class FakeReplica:
                            ) -> web.StreamResponse:
         if request.path not in ("/health", "/metrics", "/is_paused"):
             self.seen.append(f"{request.method} {request.path_qs}")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:  # vLLM's FastAPI app on a path it does not mount
+            return web.json_response({"detail": "Not Found"}, status=404, dumps=_compact)
 
     def reached(self) -> list[str]:
         """`seen`, less the router's own `GET /v1/models` (its health checker reads the
@@ -253,6 +270,14 @@ class FakeReplica:
         return web.json_response({"object": "text_completion", "model": MODEL,
                                   "choices": [choice]})
 
+    async def _embed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        return web.json_response({
+            "object": "list", "model": MODEL,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}],
+            "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if (not (self.tokens and body.get("stream"))
@@ -269,8 +294,12 @@ class FakeReplica:
                 and self.bad_weights in self.weights and body.get("logprobs") is None):
             mode = self.bad_mode or mode
             await asyncio.sleep(self.bad_delay_s)
-        if mode in ("error400", "error500", "error503"):
-            code = int(mode[-3:])
+        if mode.startswith("error") and mode[5:].isdigit():
+            code = int(mode[5:])
+            if self.error_answer is not None:
+                content_type, answer = self.error_answer
+                return web.Response(status=code, body=answer,
+                                    headers={"content-type": content_type})
             return web.json_response(
                 {"error": {"message": f"{self.name} says no", "type": "FakeError",
                            "param": None, "code": code}}, status=code)

@@ -2,10 +2,13 @@
 
 Everything the router itself rejects or fails is answered in OpenAI's shape,
 the same one vLLM uses, so a client sees a single error format whether a
-request failed in the router or in a replica (replica errors pass through
-untouched)::
+request failed in the router or in a replica (a replica's error in another shape
+is put into it: `dpserve.router.upstream_errors`)::
 
     {"error": {"message": "...", "type": "NotFoundError", "param": "model", "code": 404}}
+
+`code` is the HTTP status, or a string naming the error where one is more precise
+(`model_not_embedding`), as OpenAI's own codes are.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ def error_type(status: int) -> str:
     )
 
 
-def error_body(status: int, message: str, *, param: str | None = None) -> bytes:
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: int | str | None = None) -> bytes:
     payload: dict[str, Any] = {
-        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+        "error": {"message": message, "type": error_type(status), "param": param,
+                  "code": status if code is None else code}
     }
     return json.dumps(payload).encode()
 

@@ -66,6 +66,7 @@ from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.tracing import Tracing
 from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
+from dpserve.router.upstream_errors import relay_error
 
 log = logging.getLogger("dpserve.proxy")
 
@@ -347,16 +348,20 @@ class ProxyEndpoint:
                     return f"connection dropped mid-response ({type(exc).__name__})"
                 raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
                                   f"replica {replica.id} failed mid-response") from None
-            if self._lists_models and resp.status == 200 and ex.adapter is None:
+            status = resp.status
+            if status >= 400:  # in the OpenAI envelope, whatever the replica's shape
+                status, payload = relay_error(status, payload, out_headers, route=self.route,
+                                              model=ex.info.model, served=replica.models)
+            elif self._lists_models and status == 200 and ex.adapter is None:
                 payload = list_models(payload, self._adapters)
             else:
                 payload = versioned(payload, ex.adapter, ex.client_model, version)
             out_headers.append((b"content-length", str(len(payload)).encode()))
             ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
             self._first_byte.observe(slot.first_byte_s)
-            await ex.replied.start(resp.status, out_headers)
+            await ex.replied.start(status, out_headers)
             await ex.replied.body(payload, more=False)
-            return resp.status
+            return status
         finally:
             resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts
 
