@@ -80,7 +80,7 @@ def openai_error(status: int, body: bytes, *, route: str, model: str | None
     if len(body) > MAX_PARSED_BYTES:
         if _ENVELOPE_START.match(body, 0, 64):
             return None
-        return status, error_body(status, _bounded(_text_message(body)))
+        return status, error_body(status, _bounded(_text_message(body) or _phrase(status)))
     try:
         parsed: Any = json.loads(body)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
