@@ -177,6 +177,8 @@ class Connection(asyncio.Protocol):
         """Bytes of the current response read before its head ended (capped)."""
         self._ended = False
         """The current request's final response ended: any further byte is out of step."""
+        self.answered = False
+        """A byte of the current request's answer arrived."""
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -184,6 +186,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         response = self._response
         if response is None or self._ended:
             self.close()  # bytes nobody asked for: the stream is out of step
@@ -273,6 +276,7 @@ class Connection(asyncio.Protocol):
         self._response = UpstreamResponse(self)
         self._ended = False
         self._head_bytes = 0
+        self.answered = False
         self._head = asyncio.get_running_loop().create_future()
         if len(body) < 65536:
             self.transport.write(head + body)  # one segment for the usual small request

@@ -10,8 +10,12 @@ handling, timer tasks), which was the largest single cost in the router's
 profile.
 
 A connection is reused only if it stayed idle less than `IDLE_REUSE_S`, under
-the keep-alive timeout vLLM's server applies (5 s), so a request is never
-written onto a connection the replica is closing. A response that was not read
+the keep-alive timeout vLLM's server applies (5 s), so a request is not written
+onto a connection the replica is closing. A replica whose event loop stalled past
+that timeout (SIGSTOP, a long CPU step) still closes it when it wakes, before it
+reads the request (uvloop runs due timers first): a reused connection closed with
+no byte of answer is tried once more on a new connection, so that race is neither
+an error for the client nor a failure of the replica. A response that was not read
 to the end closes its connection: vLLM sees the disconnect and aborts the
 generation.
 
@@ -71,6 +75,9 @@ class UpstreamPool:
     def __init__(self) -> None:
         self._idle: dict[Origin, deque[Connection]] = {}
         self._closed = False
+        self.stale_retries = 0
+        """Requests sent again on a new connection because the replica closed the kept-
+        alive one they went out on without answering."""
         self._tls: ssl.SSLContext | None = None
 
     async def request(self, origin: Origin, head: bytes, body: bytes, *,
@@ -80,12 +87,34 @@ class UpstreamPool:
         return once the response's status and headers arrived."""
         if self._closed:
             raise RuntimeError("the upstream pool is closed")
-        conn = self._reusable(origin) or await self._connect(origin, connect_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = None if head_timeout_s is None else (loop.time() + head_timeout_s,
+                                                        head_timeout_s)
+        reused = self._reusable(origin)
+        conn = reused or await self._connect(origin, connect_timeout_s)
+        try:
+            return await self._exchange(conn, head, body, deadline)
+        except Disconnected:
+            if reused is None or conn.answered:
+                raise
+        # The replica closed a kept-alive connection as the request arrived and answered
+        # nothing: its keep-alive timer fired first (an event loop that stalled past it:
+        # SIGSTOP, a long step) and it read none of the request. Not an answer; once more
+        # on a new connection, which a replica that is really gone refuses.
+        self.stale_retries += 1
+        conn = await self._connect(origin, connect_timeout_s)
+        return await self._exchange(conn, head, body, deadline)
+
+    @staticmethod
+    async def _exchange(conn: Connection, head: bytes, body: bytes,
+                        deadline: tuple[float, float] | None) -> UpstreamResponse:
+        """One request on `conn`; the head must arrive by `deadline` (when, and the
+        timeout it ends)."""
         head_arrived = conn.send(head, body)
         # A timer that fails the future, cheaper than asyncio.timeout's task cancellation.
-        timer = (asyncio.get_running_loop().call_later(head_timeout_s, conn.head_timed_out,
-                                                       head_timeout_s)
-                 if head_timeout_s is not None else None)
+        loop = asyncio.get_running_loop()
+        timer = (loop.call_at(deadline[0], conn.head_timed_out, deadline[1])
+                 if deadline is not None else None)
         try:
             return await head_arrived
         except BaseException:

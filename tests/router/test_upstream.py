@@ -236,3 +236,118 @@ def test_origins_parse_host_port_and_scheme():
     assert Origin.parse("https://engine-0.svc").port == 443
     with pytest.raises(ValueError, match="not an http"):
         Origin.parse("ftp://x")
+
+
+def closes_its_second_request_unanswered(answered: bytes = b"") -> Handler:
+    """Answers one request, keeps the connection, then closes it when the next request
+    arrives, writing `answered` first: what a replica does whose keep-alive timer fires
+    as the request comes in (nothing), or one that dies mid-answer (some bytes)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(b"{}"))
+        await writer.drain()
+        await read_request(reader)
+        writer.write(answered)
+        await writer.drain()
+
+    return handler
+
+
+async def test_a_kept_alive_connection_closed_unanswered_is_tried_once_more_on_a_new_one():
+    pool = UpstreamPool()
+    async with server(closes_its_second_request_unanswered()) as (origin, connections):
+        first = await send(pool, origin)
+        await first.read()
+        first.release()
+        second = await send(pool, origin)  # the same connection, closed by the server
+        assert (second.status, await second.read()) == (200, b"{}")
+        second.release()
+        assert len(connections) == 2 and pool.stale_retries == 1
+    pool.close()
+
+
+async def test_a_kept_alive_connection_closed_mid_answer_is_a_disconnect_not_a_retry():
+    pool = UpstreamPool()
+    async with server(closes_its_second_request_unanswered(b"HTTP/1.1 200 OK\r\n")) as (
+            origin, connections):
+        first = await send(pool, origin)
+        await first.read()
+        first.release()
+        with pytest.raises(Disconnected):
+            await send(pool, origin)  # it answered something: the request may have run
+        assert len(connections) == 1 and pool.stale_retries == 0
+    pool.close()
+
+
+async def test_a_new_connection_closed_unanswered_is_a_disconnect_and_retried_no_more():
+    async def closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    pool = UpstreamPool()
+    async with server(closes) as (origin, connections):
+        with pytest.raises(Disconnected):
+            await send(pool, origin)
+        assert len(connections) == 1 and pool.stale_retries == 0
+    pool.close()
+
+
+UVICORN_KEEP_ALIVE_S = 5  # vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+SERVER = f"""
+import sys, uvicorn
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({{"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"2")]}})
+    await send({{"type": "http.response.body", "body": b"ok"}})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", http="httptools",
+            timeout_keep_alive={UVICORN_KEEP_ALIVE_S}, log_level="warning")
+"""
+
+
+async def test_a_request_sent_to_a_stalled_uvicorn_is_answered_when_it_wakes(tmp_path):
+    """uvicorn on uvloop, as vLLM serves: stopped (SIGSTOP) 2 s into a connection's idle
+    time, sent a request on that connection 1 s later (3 s idle: reusable), continued
+    past its 5 s keep-alive. On waking it runs the due keep-alive timer first and closes
+    the connection, request unread: before the retry this was a reset request and a
+    failure counted against the replica."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    (tmp_path / "server.py").write_text(SERVER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py"), str(port)])
+    pool = UpstreamPool()
+    try:
+        async def up() -> bool:
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"http://127.0.0.1:{port}/")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_for(up, "uvicorn to listen", within_s=30)
+        origin = Origin.parse(f"http://127.0.0.1:{port}")
+        first = await send(pool, origin)
+        await first.read()
+        first.release()
+        await asyncio.sleep(2.0)
+        proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(1.0)
+        sent = asyncio.create_task(send(pool, origin, head_timeout_s=30))
+        await asyncio.sleep(UVICORN_KEEP_ALIVE_S - 3 + 0.5)
+        proc.send_signal(signal.SIGCONT)
+        answer = await sent
+        assert (answer.status, await answer.read()) == (200, b"ok")
+        answer.release()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(10)
+        pool.close()
