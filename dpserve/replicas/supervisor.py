@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -41,6 +42,9 @@ from dpserve.router.pool import ReplicaPool, ReplicaState
 log = logging.getLogger("dpserve.supervisor")
 
 LOG_TAIL_LINES = 40
+STILL_STARTING_EVERY_S = 30.0
+"""While a replica starts (vLLM: ~45 s on CPU, minutes for a large model on a GPU), a
+line this often says it is still at it, with the last line of its log."""
 # A replica that ran this long before dying is treated as a fresh failure: its
 # restart backoff starts over.
 STABLE_AFTER_S = 60.0
@@ -66,13 +70,37 @@ def restart_delay(failures: int, base: float, cap: float) -> float:
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            data = f.read().decode("utf-8", "replace")
+        data = _log_end(path)
     except OSError as exc:
         return f"(log unreadable: {exc})"
     return "\n".join(data.splitlines()[-lines:]) or "(log is empty)"
+
+
+_OUR_HEADER = "===== dpserve:"
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def last_log_line(path: Path, width: int = 160) -> str | None:
+    """The last non-blank line of a replica's own output (a progress bar's latest state
+    too: a carriage return ends a line), without colour codes, cut to `width`; None
+    before it has written any."""
+    try:
+        data = _log_end(path, 8 * 1024)
+    except OSError:
+        return None
+    lines = [s for s in (_ESCAPES.sub("", line).strip() for line in data.splitlines())
+             if s and not s.startswith(_OUR_HEADER)]
+    if not lines:
+        return None
+    last = lines[-1]
+    return last if len(last) <= width else last[:width - 3] + "..."
+
+
+def _log_end(path: Path, size: int = 64 * 1024) -> str:
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - size))
+        return f.read().decode("utf-8", "replace")
 
 
 def _die_with_parent() -> None:
@@ -108,8 +136,10 @@ class Supervisor:
         *,
         on_restart: Callable[[str], None] | None = None,
         deployed: Deployed | None = None,
+        still_starting_every_s: float = STILL_STARTING_EVERY_S,
     ) -> None:
         self._replicas = [_Managed(s) for s in specs]
+        self._still_starting_every_s = still_starting_every_s
         self._deployed = deployed
         self._pool = pool
         self._config = config
@@ -185,7 +215,7 @@ class Supervisor:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if m.log_file is None:
             m.log_file = spec.log_path.open("ab")
-        m.log_file.write(f"\n===== dpserve: starting {spec.id} on {spec.device}: "
+        m.log_file.write(f"\n{_OUR_HEADER} starting {spec.id} on {spec.device}: "
                          f"{' '.join(argv)}\n".encode())
         m.log_file.flush()
         m.ready.clear()
@@ -206,8 +236,14 @@ class Supervisor:
     async def _wait_healthy(self, m: _Managed) -> None:
         assert m.proc is not None
         deadline = m.started_at + self._config.startup_timeout_s
+        next_note = m.started_at + self._still_starting_every_s
         proc = m.proc
         while True:
+            if time.monotonic() >= next_note:
+                next_note += self._still_starting_every_s
+                last = await asyncio.to_thread(last_log_line, m.spec.log_path)
+                log.info("replica %s: still starting after %.0f s%s", m.spec.id,
+                         time.monotonic() - m.started_at, f"; its log: {last}" if last else "")
             if proc.returncode is not None:
                 raise ReplicaStartError(m.spec.id, f"process exited with code {proc.returncode}",
                                         m.spec.log_path)

@@ -7,7 +7,9 @@ replica that fails on cue and must not cost a minute of vLLM start-up each.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +18,12 @@ import pytest
 
 from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import ReplicaSpec, free_port
-from dpserve.replicas.supervisor import ReplicaStartError, Supervisor, restart_delay
+from dpserve.replicas.supervisor import (
+    ReplicaStartError,
+    Supervisor,
+    last_log_line,
+    restart_delay,
+)
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
 from tests.waiting import wait_for, wait_for_sync
@@ -160,3 +167,36 @@ async def test_replicas_never_see_the_routers_keys(tmp_path, monkeypatch):
     assert b"secret" not in environ
     assert b"DPSERVE_" not in environ
     assert b"PATH=" in environ  # the rest of the environment is passed on
+
+
+async def test_a_replica_slow_to_start_says_so_now_and_then_with_its_last_log_line(
+        tmp_path, caplog):
+    specs = fake_specs(tmp_path, 1, "--startup-delay-s", "1.6")
+    pool = ReplicaPool([Replica(id=s.id, url=s.url) for s in specs])
+    sup = Supervisor(specs, pool, ServeConfig(model="fake", startup_timeout_s=20),
+                     still_starting_every_s=0.5)
+    with caplog.at_level(logging.INFO, logger="dpserve.supervisor"):
+        try:
+            await sup.start()
+        finally:
+            await sup.stop()
+    notes = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
+    assert len(notes) >= 2, notes  # at 0.5, 1.0 and 1.5 s, give or take a loaded machine
+    assert all(re.fullmatch(r"replica r0: still starting after \d+ s(; its log: .+)?", note)
+               for note in notes), notes  # no log line before the engine printed one
+    assert any(re.search(r"; its log: fake engine core pid \d+$", note) for note in notes)
+
+
+def test_the_last_log_line_is_what_the_engine_last_printed_without_colours(tmp_path):
+    log_path = tmp_path / "replica-r0.log"
+    assert last_log_line(log_path) is None  # no log yet
+    log_path.write_text("\n===== dpserve: starting r0 on cpu:0: python -m vllm ...\n")
+    assert last_log_line(log_path) is None  # only dpserve's own header
+    with log_path.open("a") as f:
+        f.write("\x1b[32mINFO\x1b[0m loading weights\n")
+        f.write("Loading safetensors shards:  50% 1/2\rLoading safetensors shards: 100% 2/2\n\n")
+    assert last_log_line(log_path) == "Loading safetensors shards: 100% 2/2"
+    with log_path.open("a") as f:
+        f.write("x" * 500 + "\n")
+    line = last_log_line(log_path, width=40)
+    assert line is not None and len(line) == 40 and line.endswith("...")
