@@ -24,9 +24,9 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from dpserve.keys import resolve_keys
 from dpserve.settings import (
     ENV_PREFIX,
     ConfigError,
@@ -145,21 +145,23 @@ class RouterConfig:
     """Log level of the router and supervisor (debug, info, warning, error)."""
     api_key: str | None = field(default=None, repr=False)
     """Key clients must send as `Authorization: Bearer KEY` on the API paths
-    (`/health`, `/ready`, `/metrics` stay open). Set it through DPSERVE_API_KEY or
-    `api_key_file`, never on the command line, where `ps` would show it."""
+    (`/health`, `/ready`, `/metrics` stay open): at least 8 printable characters, no
+    spaces. Set it through DPSERVE_API_KEY or `api_key_file`, never on the command
+    line, where `ps` would show it."""
     api_key_file: str | None = None
-    """File holding API keys, one per line (`#` comments allowed), e.g. a mounted
-    Kubernetes secret; read at start-up."""
+    """File holding API keys, one per line (`#` comments allowed), each at least 8
+    characters, e.g. a mounted Kubernetes secret; read at start-up."""
     api_keys: list[str] | None = field(default=None, repr=False)
-    """Several accepted keys at once (DPSERVE_API_KEYS, comma-separated), so keys can
-    be rotated without downtime. After resolution this holds every accepted key:
-    `api_key`, these, and the lines of `api_key_file`."""
+    """Several accepted keys at once (DPSERVE_API_KEYS, comma-separated; each at least 8
+    characters), so keys can be rotated without downtime. After resolution this holds
+    every accepted key: `api_key`, these, and the lines of `api_key_file`."""
     admin_key: str | None = field(default=None, repr=False)
     """Key for `/admin/*` (replica list, drain, hot-load), sent as `Authorization:
-    Bearer KEY`; from DPSERVE_ADMIN_KEY or `admin_key_file`. Without one, `/admin/*`
-    answers loopback clients only."""
+    Bearer KEY`: at least 16 characters, none of the API keys. From DPSERVE_ADMIN_KEY or
+    `admin_key_file`. Without one, `/admin/*` answers loopback clients only."""
     admin_key_file: str | None = None
-    """File holding the admin key; read at start-up."""
+    """File holding the admin key (its first line, at least 16 characters); read at
+    start-up."""
     insecure_admin: bool = False
     """Let a router listening beyond loopback start without an admin key (its `/admin/*`
     then answers loopback clients only). Without this, such a router refuses to start:
@@ -264,30 +266,14 @@ def build_router_config(
     """Resolve a RouterConfig; `file_values` is the YAML file's `router:` section."""
     env = os.environ if env is None else env
     cfg = resolve(RouterConfig, flags, file_values or {}, env, prefix="router.")
-    file_keys = [] if cfg.api_key_file is None else _read_keys(cfg.api_key_file,
-                                                               "router.api_key_file")
-    admin_key = cfg.admin_key
-    if cfg.admin_key_file is not None:
-        (admin_key,) = _read_keys(cfg.admin_key_file, "router.admin_key_file")[:1]
-    keys = [*([cfg.api_key] if cfg.api_key else []), *(cfg.api_keys or []), *file_keys]
-    cfg = dataclasses.replace(cfg, api_keys=list(dict.fromkeys(keys)) or None,
-                              admin_key=admin_key,
+    keys = resolve_keys(api_key=cfg.api_key, api_keys=cfg.api_keys,
+                        api_key_file=cfg.api_key_file, admin_key=cfg.admin_key,
+                        admin_key_file=cfg.admin_key_file, env=env)
+    cfg = dataclasses.replace(cfg, api_keys=keys.api_keys, admin_key=keys.admin_key,
                               otlp_traces_endpoint=cfg.otlp_traces_endpoint
                               or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None)
     _validate_router(cfg)
     return cfg
-
-
-def _read_keys(path: str, label: str) -> list[str]:
-    """Non-empty, non-comment lines of a key file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"{label}: cannot read {path}: {exc.strerror}") from None
-    keys = [k.strip() for k in text.splitlines() if k.strip() and not k.lstrip().startswith("#")]
-    if not keys:
-        raise ConfigError(f"{label}: {path} holds no key")
-    return keys
 
 
 def build_serve_config(
@@ -348,15 +334,6 @@ def _validate_router(c: RouterConfig) -> None:
                  "breaker_failures"):
         value = getattr(c, name)
         require(value >= 1, f"router.{name}", "must be >= 1", value)
-    for key in c.api_keys or []:
-        require(len(key) >= 8, "router.api_key", "must be at least 8 characters", "<hidden>")
-        require(key.isprintable() and " " not in key, "router.api_key",
-                 "must be printable and have no spaces", "<hidden>")
-    if c.admin_key is not None:
-        require(len(c.admin_key) >= 16, "router.admin_key", "must be at least 16 characters",
-                 "<hidden>")
-        require(c.admin_key not in (c.api_keys or []), "router.admin_key",
-                 "must differ from every API key", "<hidden>")
     for name in ("max_header_bytes", "max_connections", "max_inflight_body_bytes",
                  "max_response_bytes"):
         value = getattr(c, name)

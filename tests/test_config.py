@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.config import ConfigError, build_router_config, build_serve_config, load_yaml
+from dpserve.config import (
+    ConfigError,
+    RouterConfig,
+    build_router_config,
+    build_serve_config,
+    load_yaml,
+)
+from dpserve.config_reference import field_docs
+from dpserve.keys import MIN_ADMIN_KEY_CHARS, MIN_API_KEY_CHARS
 
 
 def test_flags_beat_env_beat_file_beat_defaults():
@@ -84,3 +92,28 @@ def test_yaml_file_errors_name_the_file(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("model: m\nrouter:\n  port: 9000\n")
     assert build_serve_config({}, load_yaml(good), {}).router.port == 9000
+
+
+def test_a_bad_key_is_refused_naming_where_it_came_from_never_showing_it(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("# rotated monthly\nfirst-key-0123\n\nabc\n")
+    with pytest.raises(ConfigError) as exc:
+        build_router_config({"api_key_file": str(keys)}, {}, {})
+    assert str(exc.value) == ("router.api_key: must be at least 8 characters (the key from "
+                              f"line 4 of {keys}), got '<hidden>'")
+    with pytest.raises(ConfigError, match=r"\(the key from DPSERVE_API_KEYS\)"):
+        build_router_config({}, {}, {"DPSERVE_API_KEYS": "first-key-0123,has space"})
+    with pytest.raises(ConfigError, match=r"at least 16 characters \(the key from "
+                                          r"DPSERVE_ADMIN_KEY\)"):
+        build_router_config({}, {}, {"DPSERVE_ADMIN_KEY": "admin-short"})
+    with pytest.raises(ConfigError, match=r"\(the key from router.api_key in the file\)"):
+        build_router_config({}, {"api_key": "tiny"}, {})
+
+
+def test_the_key_minimums_are_stated_where_keys_are_documented():
+    docs = field_docs(RouterConfig)
+    for name in ("api_key", "api_keys", "api_key_file"):
+        assert f"at least {MIN_API_KEY_CHARS} " in docs[name], name
+    for name in ("admin_key", "admin_key_file"):
+        assert f"at least {MIN_ADMIN_KEY_CHARS} " in docs[name], name
+
