@@ -90,8 +90,7 @@ def generate(parser: argparse.ArgumentParser) -> str:
         for f in dataclasses.fields(section.cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue  # the nested router section
-            flags = sorted({f"`{flag}`" for name in section.commands
-                            for flag in _flags_for(commands[name], f.name)})
+            flags = _flag_cells(f.name, {name: commands[name] for name in section.commands})
             if f.name == "vllm_args":  # the CLI takes everything after `--`
                 flags = ["`-- ARGS...`"]
             for name in section.commands:
@@ -119,6 +118,36 @@ def generate(parser: argparse.ArgumentParser) -> str:
     out += [_row(f"`{name}`", who, meaning) for name, who, meaning in OTHER_ENVIRONMENT]
     out += ["", END]
     return "\n".join(out) + "\n"
+
+
+def document(parser: argparse.ArgumentParser) -> None:
+    """Give every flag of every subcommand a help line that ends with its default.
+
+    A flag that sets a setting defaults to None (so that the environment and the file
+    can apply): its default is the setting's, and a flag without help of its own takes
+    the setting's docstring. A default already named in the help, or one that is no
+    value (None, False, empty), is not added."""
+    fields: dict[str, dict[str, tuple[dataclasses.Field[Any], str]]] = {}
+    for section in _sections():
+        docs = field_docs(section.cls)
+        for name in section.commands:
+            fields.setdefault(name, {}).update(
+                {f.name: (f, docs.get(f.name, "")) for f in dataclasses.fields(section.cls)})
+    for name, sub in _subparsers(parser).items():
+        for action in sub._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            setting = fields.get(name, {}).get(action.dest)
+            text = action.help or ""
+            if not text and setting is not None:
+                text = _as_help(setting[1])
+            default = action.default
+            if default is None and setting is not None:
+                default = _default_value(setting[0])
+            shown = _shown(default)
+            if shown and "default" not in text:
+                text = f"{text.removesuffix('.')} (default {shown})".lstrip()
+            action.help = text
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -176,6 +205,18 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     raise ValueError("the parser has no subcommands")
 
 
+def _flag_cells(dest: str, parsers: dict[str, argparse.ArgumentParser]) -> list[str]:
+    """The flags setting `dest`, each marked with the commands that accept it when not
+    every command of the section does (`--deploy-lock` is `dpserve router`'s only)."""
+    takers: dict[str, list[str]] = {}
+    for name, parser in parsers.items():
+        for flag in _flags_for(parser, dest):
+            takers.setdefault(flag, []).append(name)
+    return [f"`{flag}`" + ("" if len(names) == len(parsers) else
+                           f" ({', '.join(f'`dpserve {n}`' for n in names)} only)")
+            for flag, names in sorted(takers.items())]
+
+
 def _flags_for(parser: argparse.ArgumentParser, dest: str) -> list[str]:
     return [s for a in parser._actions if a.dest == dest for s in a.option_strings
             if s.startswith("--")]
@@ -198,13 +239,39 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(f: dataclasses.Field[Any]) -> str:
+def _default_value(f: dataclasses.Field[Any]) -> Any:
+    """A field's default, or None for a required one."""
     if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        value = f.default_factory()
-    else:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _as_help(doc: str) -> str:
+    """A field's docstring as a help line, written like the hand-written ones (`steps
+    between ...`, no final period); `%` escaped, argparse formats help with it."""
+    first = doc.split(" ", 1)[0]
+    if first[1:].isalpha() and first[1:].islower():  # `Steps`, not `LoRA` or `AdamW`
+        doc = doc[0].lower() + doc[1:]
+    return doc.removesuffix(".").replace("%", "%%")
+
+
+def _shown(value: Any) -> str:
+    """A default as `--help` shows it; "" for none worth showing."""
+    if value is None or value is False or value in ("", [], argparse.SUPPRESS):
+        return ""  # (`in` alone would drop 0 too: 0 == False)
+    if value is True:
+        return "on"
+    if isinstance(value, float):
+        return f"{value:g}".replace("%", "%%")
+    return str(value).replace("%", "%%")
+
+
+def _default(f: dataclasses.Field[Any]) -> str:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
+    value = _default_value(f)
     if value is None:
         return "unset"
     if isinstance(value, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from pathlib import Path
@@ -65,3 +66,40 @@ def test_replace_block_refuses_a_file_without_markers():
         assert "config-reference" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_every_flag_the_reference_names_for_a_command_is_accepted_by_it():
+    """A flag in a section's table works with every command in the section's title,
+    unless its cell names the commands that take it (`--deploy-lock` is `dpserve
+    router`'s only); a flag in "Other flags" works with the command of its row."""
+    parsers = _subcommands()
+    claimed: list[tuple[str, str]] = []
+    commands: list[str] = []
+    for line in config_reference.generate(build_parser()).splitlines():
+        if line.startswith("#### "):
+            commands = re.findall(r"`dpserve ([\w-]+)`", line)
+        elif line.startswith("| `dpserve ") and commands == []:  # "Other flags"
+            command, flag = re.match(r"\| `dpserve ([\w-]+)` \| `([^`]+)`", line).groups()
+            claimed += [(command, f) for f in flag.split(", ") if f.startswith("-")]
+        elif line.startswith("| `") and commands:
+            for cell in line.split(" | ")[1].split(", "):
+                flag = re.match(r"`(--[\w-]+)`", cell)
+                if flag is not None:
+                    only = re.findall(r"`dpserve ([\w-]+)`", cell)
+                    claimed += [(c, flag.group(1)) for c in only or commands]
+    assert ("router", "--deploy-lock") in claimed and ("serve", "--port") in claimed
+    assert ("serve", "--deploy-lock") not in claimed
+    refused = [(c, f) for c, f in claimed if f not in parsers[c]._option_string_actions]
+    assert refused == []
+
+
+def test_a_flag_only_some_commands_of_a_section_take_is_marked_so():
+    block = config_reference.generate(build_parser())
+    assert ("| `router.deploy_lock` | `--deploy-lock` (`dpserve router` only) |" in block)
+    assert "| `router.port` | `--port` |" in block  # both commands take it
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in build_parser()._actions
+                 if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
