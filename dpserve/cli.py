@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -85,10 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = args.index("--")
         args, extra = args[:cut], args[cut + 1:]
     ns = _parser().parse_args(args)
+    from dpserve.preflight import PreflightError
+
     try:
         return _run(ns, extra)
     except ConfigError as exc:
         print(f"dpserve {ns.command}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except PreflightError as exc:  # one line per problem; nothing was started
+        for problem in exc.problems:
+            print(f"dpserve {ns.command}: {problem}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -177,32 +184,33 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
 
     # The serving stack (uvicorn, starlette, OpenTelemetry) only now: a machine set up
     # to fine-tune or to build the tiny model needs none of it.
-    from dpserve.serve import PortInUseError
+    from dpserve import preflight
+    from dpserve.replicas.launcher import usable_cores, visible_gpus
 
     file_values = load_yaml(ns.config)
     if extra and ns.command != "serve":
         raise ConfigError("arguments after `--` are only accepted by `serve`")
-    try:
-        if ns.command == "router":
-            from dpserve.serve import run_router
+    if ns.command == "router":
+        from dpserve.serve import run_router
 
-            for url in ns.replica:
-                if not url.startswith(("http://", "https://")):
-                    raise ConfigError(f"replica: expected an http(s) URL, got {url!r}")
-            cfg = build_router_config(_flags(ns), file_values.get("router") or {})
-            if not ns.replica and cfg.discover is None:
-                raise ConfigError("replica: give at least one --replica URL, or --discover")
-            _setup_logging(cfg.log_level)
-            return _run_loop(run_router(cfg, ns.replica, ns.base_model))
+        for url in ns.replica:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica: expected an http(s) URL, got {url!r}")
+        cfg = build_router_config(_flags(ns), file_values.get("router") or {})
+        if not ns.replica and cfg.discover is None:
+            raise ConfigError("replica: give at least one --replica URL, or --discover")
+        _setup_logging(cfg.log_level)
+        base_model = os.path.expanduser(ns.base_model) if ns.base_model else None
+        sockets = preflight.listen_or_refuse(preflight.check_router(base_model), cfg)
+        return _run_loop(run_router(cfg, ns.replica, base_model, sockets))
 
-        from dpserve.serve import run_serve
+    from dpserve.serve import run_serve
 
-        flags = _flags(ns)
-        if extra:
-            flags["vllm_args"] = extra
-        serve_cfg = build_serve_config(flags, file_values)
-        _setup_logging(serve_cfg.router.log_level)
-        return _run_loop(run_serve(serve_cfg))
-    except PortInUseError as exc:
-        print(f"dpserve {ns.command}: {exc}", file=sys.stderr)
-        return 1
+    flags = _flags(ns)
+    if extra:
+        flags["vllm_args"] = extra
+    serve_cfg = build_serve_config(flags, file_values)
+    _setup_logging(serve_cfg.router.log_level)
+    found = preflight.check_serve(serve_cfg, visible=visible_gpus(), cores=usable_cores())
+    sockets = preflight.listen_or_refuse(found, serve_cfg.router)
+    return _run_loop(run_serve(serve_cfg, sockets))

@@ -231,7 +231,8 @@ class ServeConfig:
     """What `dpserve serve` launches: the replicas and the router in front of them."""
 
     model: str
-    """Model directory or Hugging Face id loaded by every replica."""
+    """Model directory (holding `config.json`) or Hugging Face id (`ORG/NAME`, fetched by
+    vLLM) loaded by every replica; checked before any replica starts."""
     served_model_name: str | None = None
     """Name clients use in `model`; defaults to the model argument."""
     replicas: int | None = None
@@ -289,6 +290,8 @@ def build_serve_config(
         raise ConfigError("router: must be a mapping of router settings")
     router = build_router_config(flags, router_file, env)
     cfg = resolve(ServeConfig, flags, file_values, env, prefix="", extra={"router": router})
+    if cfg.model.startswith("~"):  # from a YAML file or quoted: no shell expanded it
+        cfg = dataclasses.replace(cfg, model=os.path.expanduser(cfg.model))
     _validate_serve(cfg)
     return cfg
 

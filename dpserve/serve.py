@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ from dpserve.router.adapters import Adapters
 from dpserve.router.app import Router, build_app
 from dpserve.router.front import FrontLimits, protocol_factory
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 log = logging.getLogger("dpserve.serve")
 
@@ -54,7 +55,12 @@ START_ADAPTERS_WAIT_S = 60.0
 
 
 class PortInUseError(OSError):
-    """The router's address cannot be bound."""
+    """The router's address cannot be bound; the message starts with the flags at fault
+    when `listen` raised it. `reason` is the bind's errno."""
+
+    def __init__(self, message: str, reason: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -70,17 +76,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise PortInUseError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                             exc.errno) from None
     sock.set_inheritable(False)
     return sock
 
 
+def url_of(sock: socket.socket, host: str) -> str:
+    """`http://HOST:PORT` of a bound socket: the port it really got (`--port 0` too)."""
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: dpserve decides the shutdown order."""
+    """uvicorn without its own signal handling (dpserve decides the shutdown order),
+    saying where it listens once it does: given sockets, uvicorn says nothing."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:
+            log.info("router on %s (OpenAI API at /v1)", url_of(sockets[0], self.config.host))
+            if len(sockets) > 1:
+                admin = sockets[1]
+                log.info("admin API on %s (/admin/*)", url_of(admin, admin.getsockname()[0]))
 
 
 def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
@@ -112,15 +134,32 @@ def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
 
 
 def listen(config: RouterConfig) -> list[socket.socket]:
-    """The router's listening sockets: the API's, and the admin listener's if it has one."""
-    sockets = [bind_socket(config.host, config.port)]
+    """The router's listening sockets: the API's, and the admin listener's if it has one.
+    Bound before anything starts, so that a busy port costs no replica start-up; the
+    error names the flags at fault."""
+    sockets = [_bind(config.host, config.port, "--host", "--port")]
     if config.admin_port is not None:
         try:
-            sockets.append(bind_socket(config.admin_host, config.admin_port))
+            sockets.append(_bind(config.admin_host, config.admin_port, "--admin-host",
+                                 "--admin-port"))
         except PortInUseError:
             sockets[0].close()
             raise
     return sockets
+
+
+def _bind(host: str, port: int, host_flag: str, port_flag: str) -> socket.socket:
+    try:
+        return bind_socket(host, port)
+    except PortInUseError as exc:
+        if exc.reason == errno.EADDRINUSE:
+            where = f"{port_flag} {port}"
+            hint = " (another process listens there; pick another port, or 0 for a free one)"
+        elif exc.reason == errno.EADDRNOTAVAIL:
+            where, hint = f"{host_flag} {host}", " (not an address of this machine)"
+        else:
+            where, hint = f"{host_flag} {host} {port_flag} {port}", ""
+        raise PortInUseError(f"{where}: {exc}{hint}", exc.reason) from None
 
 
 class _Signals:
@@ -186,15 +225,36 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
     return router, rollout
 
 
+def announce_ready(pool: ReplicaPool, since: float) -> None:
+    """Log `K/N replicas ready after S s` each time more replicas are in rotation, until
+    all of them first are: the router's /ready is 200 from the first, but a user waits
+    for the last. Later restarts say nothing here (the pool logs every state change)."""
+    shown = 0
+
+    def on_change(replica: Replica, old: ReplicaState, new: ReplicaState) -> None:
+        nonlocal shown
+        ready = len(pool.ready())
+        if new is not ReplicaState.READY or shown >= len(pool) or ready <= shown:
+            return
+        shown = len(pool) if ready == len(pool) else ready
+        log.info("%d/%d replicas ready after %.0f s", ready, len(pool),
+                 time.monotonic() - since)
+
+    pool.on_state_change(on_change)
+
+
 async def run_router(config: RouterConfig, replica_urls: list[str],
-                     base_model: str | None = None) -> int:
+                     base_model: str | None = None,
+                     sockets: list[socket.socket] | None = None) -> int:
     """Serve the router alone in front of replicas started elsewhere.
 
     `base_model` is the local model directory the replicas were started on: deploys
     check checkpoints against it (without it, `/admin/deploy` refuses). Nothing
     restarts these replicas, so one restarted elsewhere loads whatever its own command
-    line says: point that at the deployed checkpoint.
+    line says: point that at the deployed checkpoint. `sockets`: already bound by
+    `listen(config)` (else bound here).
     """
+    started = time.monotonic()
     deployed = Deployed(weights_for(base_model)) if base_model else None
     version = deployed.current.version if deployed else None
     pool = ReplicaPool([
@@ -202,7 +262,8 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
         for i, url in enumerate(replica_urls)
     ])
     router, rollout = compose(pool, deployed, config)
-    sockets = listen(config)
+    announce_ready(pool, started)
+    sockets = listen(config) if sockets is None else sockets
     server = uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
     try:
@@ -220,8 +281,10 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
         signals.close()
 
 
-async def run_serve(config: ServeConfig) -> int:
-    """Start the replicas and the router; return the process exit code."""
+async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = None) -> int:
+    """Start the replicas and the router; return the process exit code. `sockets`: the
+    router's, already bound by `listen(config.router)` (else bound here)."""
+    started = time.monotonic()
     run_dir = Path(config.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpus = visible_gpus() if config.gpus is None else config.gpus
     specs = plan_replicas(config, gpus=gpus, cores=usable_cores(), port=lambda _: free_port(),
@@ -238,7 +301,8 @@ async def run_serve(config: ServeConfig) -> int:
     router, rollout = compose(pool, deployed, config.router, restarter=supervisor,
                               metrics=metrics,
                               default_snapshot_dir=Path(config.run_dir) / "snapshots")
-    sockets = listen(config.router)
+    announce_ready(pool, started)
+    sockets = listen(config.router) if sockets is None else sockets
     server = uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
     # Read at scrape time: GPUs through NVML where there are any, else the replicas'
@@ -263,8 +327,6 @@ async def run_serve(config: ServeConfig) -> int:
                                      return_when=asyncio.FIRST_COMPLETED)
         if starting in done:
             starting.result()  # raises ReplicaStartError
-            log.info("all %d replicas healthy; OpenAI API on http://%s:%d/v1", len(specs),
-                     config.router.host, config.router.port)
             problem = await deploy_start_adapters(rollout, pool, config.router)
             if problem is not None:
                 log.error("%s", problem)

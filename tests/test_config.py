@@ -117,3 +117,8 @@ def test_the_key_minimums_are_stated_where_keys_are_documented():
     for name in ("admin_key", "admin_key_file"):
         assert f"at least {MIN_ADMIN_KEY_CHARS} " in docs[name], name
 
+
+def test_a_model_path_from_the_file_has_its_tilde_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert build_serve_config({}, {"model": "~/models/m"}, {}).model == str(
+        tmp_path / "models" / "m")

@@ -3,17 +3,33 @@ the router wired to its rolling deploy."""
 
 from __future__ import annotations
 
+import logging
+import os
+import queue
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.replicas.launcher import free_port
 from dpserve.rollout.deployed import Deployed, Weights
-from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.serve import PortInUseError, bind_socket, compose, listen, uvicorn_server
+from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.serve import (
+    PortInUseError,
+    announce_ready,
+    bind_socket,
+    compose,
+    listen,
+    uvicorn_server,
+)
 from tests.rollout.checkpoints import write_adapter
 
 
@@ -86,3 +102,106 @@ def test_a_bad_start_adapter_is_one_line_before_any_replica_starts(tiny_model, t
     assert len(errors) == 1 and f"--lora {name}={path}: refused" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
     assert not list((tmp_path / "runs").glob("*/replica-*.log"))  # no engine was started
+
+
+# `dpserve serve` with tests/fake_vllm_server.py (a fake: starts in a second, where vLLM
+# takes a minute) in place of vLLM's API server module.
+_SERVE_WITH_FAKE_ENGINES = """
+import sys
+import dpserve.replicas.launcher as launcher
+from dpserve.cli import main
+launcher.VLLM_ENTRY = (sys.argv[1],)
+sys.exit(main(sys.argv[2:]))
+"""
+FAKE_ENGINE = str(Path(__file__).parent / "fake_vllm_server.py")
+
+
+def test_serve_says_where_the_router_listens_and_when_every_replica_is_ready(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKE_ENGINES, FAKE_ENGINE, "serve",
+         "--model", str(model), "--served-model-name", "fake-model", "--replicas", "2",
+         "--port", "0", "--run-dir", str(tmp_path / "runs")],
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = _lines_until(proc, re.compile(r"2/2 replicas ready after"), within_s=120)
+        (where,) = [ln for ln in lines if "router on http://" in ln]
+        url = re.search(r"router on (http://127\.0\.0\.1:(\d+)) \(OpenAI API at /v1\)$", where)
+        assert url is not None and url.group(2) != "0", where  # the port it really got
+        assert httpx.get(url.group(1) + "/v1/models", timeout=5).status_code == 200
+        assert lines.index(where) < len(lines) - 1  # said before the replicas were ready
+        assert re.search(r"INFO +dpserve\.serve: 2/2 replicas ready after \d+ s$", lines[-1])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _lines_until(proc: subprocess.Popen[str], pattern: re.Pattern[str], *,
+                 within_s: float) -> list[str]:
+    """The process's stderr lines up to the first matching `pattern` (read by a thread,
+    so a silent process cannot block the test); AssertionError with what it printed if
+    it exits or `within_s` passes first. The thread reads on: stderr never fills."""
+    assert proc.stderr is not None
+    stream = proc.stderr
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if pattern.search(line):
+            return seen
+    raise AssertionError(f"no line matching {pattern.pattern!r}:\n" + "\n".join(seen))
+
+
+def test_ready_counts_are_logged_until_every_replica_first_is(caplog):
+    pool = ReplicaPool([Replica(id="r0", url="http://r0"), Replica(id="r1", url="http://r1")])
+    announce_ready(pool, since=time.monotonic())
+    r0, r1 = pool.get("r0"), pool.get("r1")
+    assert r0 is not None and r1 is not None
+    with caplog.at_level(logging.INFO, logger="dpserve.serve"):
+        pool.set_state(r0, ReplicaState.READY)
+        pool.set_state(r0, ReplicaState.DOWN, "died")
+        pool.set_state(r0, ReplicaState.READY)  # 1 of 2 again: already said
+        pool.set_state(r1, ReplicaState.READY)
+        pool.set_state(r1, ReplicaState.DOWN, "died")
+        pool.set_state(r1, ReplicaState.READY)  # a restart later: the pool logs it
+    said = [r.getMessage() for r in caplog.records if r.name == "dpserve.serve"]
+    assert said == ["1/2 replicas ready after 0 s", "2/2 replicas ready after 0 s"]
+
+
+def test_a_busy_port_names_its_flag_and_says_what_to_do():
+    taken = bind_socket("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(PortInUseError) as exc:
+            listen(RouterConfig(port=port))
+    finally:
+        taken.close()
+    assert str(exc.value) == (f"--port {port}: cannot listen on 127.0.0.1:{port}: Address "
+                              "already in use (another process listens there; pick another "
+                              "port, or 0 for a free one)")
+
+
+def test_an_address_not_of_this_machine_names_the_host_flag():
+    with pytest.raises(PortInUseError, match=r"^--host 192\.0\.2\.1: cannot listen on "
+                                             r".*\(not an address of this machine\)$"):
+        listen(RouterConfig(host="192.0.2.1", port=0, insecure_admin=True))
