@@ -315,14 +315,14 @@ async def test_a_request_sent_to_a_stalled_uvicorn_is_answered_when_it_wakes(tmp
     the connection, request unread: before the retry this was a reset request and a
     failure counted against the replica."""
     import signal
-    import subprocess
     import sys
 
     import httpx
 
     port = free_port()
     (tmp_path / "server.py").write_text(SERVER)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py"), str(port)])
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(tmp_path / "server.py"),
+                                                str(port))
     pool = UpstreamPool()
     try:
         async def up() -> bool:
@@ -349,5 +349,5 @@ async def test_a_request_sent_to_a_stalled_uvicorn_is_answered_when_it_wakes(tmp
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.terminate()
-        proc.wait(10)
+        await asyncio.wait_for(proc.wait(), 10)
         pool.close()

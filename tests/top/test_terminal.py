@@ -30,12 +30,15 @@ async def router_process(port: int, replicas: list[str], log: Path, *,
     """`dpserve router` on 127.0.0.1:`port` serving `base:fake-model`, its replicas all
     ready; stopped after."""
     args = [a for url in replicas for a in ("--replica", url)]
+    model = log.parent / MODEL  # a model directory, as `--base-model` must name
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPSERVE_")}
     if admin_key is not None:
         env["DPSERVE_ADMIN_KEY"] = admin_key
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
-            *DPSERVE, "router", *args, "--base-model", MODEL, "--port", str(port),
+            *DPSERVE, "router", *args, "--base-model", str(model), "--port", str(port),
             "--health-interval-s", "0.2", "--log-level", "warning", stdout=out, stderr=out,
             env=env)
     base = f"http://127.0.0.1:{port}"
