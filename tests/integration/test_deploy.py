@@ -519,7 +519,7 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     staller = threading.Thread(target=stall)
     # 8 clients: those stuck on the canary leave the others enough to go on.
     with background_load(f.d.base_url, workers=8):
-        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 12})
+        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 20})
         assert r.status_code == 202, r.text
         wait_for_sync(lambda: deploy_record(f, r.json()["id"])["canary"], "the canary phase",
                       within_s=120, every_s=0.05)
@@ -532,12 +532,19 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
             os.killpg(pgid, signal.SIGCONT)
     assert record["state"] == "rolled_back", json.dumps([record["error"], record["canary"]])
     canary = record["canary"]
-    assert canary["passed"] is False and "on the canary against" in canary["reason"]
-    assert any(canary["canary"][f"ttft_p{p}_ms"] > 8 * canary["others"][f"ttft_p{p}_ms"]
-               for p in (50, 90))  # its requests sent while it ran answer fast: p90 shows it
-    # Stalled 3 s at a time, it is slow, and requests caught by a stall may fail too:
-    # either comparison rolls it back (error rate 25% against 0% was seen).
-    assert record["error"].startswith(("r0: canary traffic: TTFT p",
-                                       "r0: canary traffic: error rate"))
+    assert canary["passed"] is False
+    if canary["canary"]["requests"] < CANARY["canary_min_requests"]:
+        # A busy machine (CI once: none answered in 12 s) leaves a canary stalled 3 s at a
+        # time too few answers to compare: rolled back for that, which the record says.
+        assert record["error"].startswith("r0: canary traffic: the canary got"), record
+    else:
+        assert "on the canary against" in canary["reason"]
+        assert any(canary["canary"][f"ttft_p{p}_ms"] > 8 * canary["others"][f"ttft_p{p}_ms"]
+                   for p in (50, 90))  # its requests sent while it ran answer fast: p90
+        # Slow, and a request caught by a stall may fail too: either comparison rolls it
+        # back. (Errors counted when a stalled engine closed kept-alive connections on
+        # waking are gone: those requests go out again on a new connection.)
+        assert record["error"].startswith(("r0: canary traffic: TTFT p",
+                                           "r0: canary traffic: error rate"))
     wait_for_sync(f.all_ready, "both replicas back in rotation", within_s=120)
     assert f.versions() == before
