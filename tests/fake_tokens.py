@@ -103,10 +103,11 @@ def expected_text(body: dict[str, Any], n: int) -> str:
 
 async def stream(request: web.Request, body: dict[str, Any], *, name: str, fingerprint: str,
                  cut_after: int | None, hang_after: int | None,
-                 delay_s: float) -> web.StreamResponse:
+                 delay_s: float, hang_at_end: bool = False) -> web.StreamResponse:
     """Answer a streaming completion or chat as vLLM 0.32 does with `return_token_ids`.
     `cut_after` tokens: the connection closes (a replica killed); `hang_after`: nothing
-    more is sent (a stalled engine)."""
+    more is sent (a stalled engine); `hang_at_end`: `[DONE]` is sent, then nothing, the
+    response never ended (an engine stopped between its last event and the end)."""
     chat = "messages" in body
     ids = body.get("return_token_ids") is True
     prompt = prompt_ids(body)
@@ -175,5 +176,7 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
                                              "total_tokens": len(prompt) + n},
                     "system_fingerprint": fingerprint})
     await resp.write(b"data: [DONE]\n\n")
+    if hang_at_end:
+        await asyncio.sleep(3600)
     await resp.write_eof()
     return resp

@@ -123,6 +123,8 @@ class FakeReplica:
     """With `tokens`: streams close their connection after this many tokens."""
     hang_after_tokens: int | None = None
     """With `tokens`: streams send nothing more after this many tokens."""
+    hang_at_end: bool = False
+    """With `tokens`: streams send `[DONE]`, then nothing, never ending the response."""
     seen: list[str] = field(default_factory=list)
     """Every request that reached the replica, as `METHOD path?query`, health checks
     and scrapes left out: what a smuggled request would show up in."""
@@ -314,7 +316,7 @@ class FakeReplica:
             return await fake_tokens.stream(
                 request, body, name=self.name, fingerprint=FINGERPRINT,
                 cut_after=self.cut_after_tokens, hang_after=self.hang_after_tokens,
-                delay_s=self.chunk_delay_s)
+                delay_s=self.chunk_delay_s, hang_at_end=self.hang_at_end)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,

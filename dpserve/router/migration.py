@@ -104,6 +104,9 @@ class Migrator:
             state.learn()
             if reason == "drained" and source in tried:
                 tried.remove(source)
+            if state.closed:  # `[DONE]` went out: only the response's own end was lost
+                await stream.replied.body(b"", more=False)
+                return source
             if state.done:  # only the ending was lost: the router writes it
                 await stream.replied.body(self._ending(stream), more=False)
                 return source
@@ -248,7 +251,8 @@ class Migrator:
         version = stream.version_of(slot.replica)
         try:
             with self._dispatch.streams.running(
-                    slot.replica.id, resp, lambda: self._refused(stream.state) is None):
+                    slot.replica.id, resp, lambda: not stream.state.closed
+                    and self._refused(stream.state) is None):
                 while chunk and not stream.state.cut:
                     if whole := events.feed(chunk):
                         await self._send(stream, whole, version, continuation)

@@ -104,6 +104,42 @@ async def test_a_stream_cut_after_its_last_token_is_finished_by_the_router(fake_
     assert b.requests == []  # nothing left to generate
 
 
+async def test_a_stream_that_stalls_after_its_done_event_is_ended_not_moved(fake_replicas):
+    """`[DONE]` went out, the end of the response did not (an engine stopped right
+    there): the router ends the response; nothing is generated again, no second
+    `[DONE]` (seen under a SIGSTOP-stalled canary, which broke clients' parsers)."""
+    a = await fake_replicas("a", tokens=True, hang_at_end=True)
+    b = await fake_replicas("b", tokens=True)
+    body = COMPLETION | {"stream_options": {"include_usage": True}}
+    async with running_router([a.url, b.url], policy="round-robin",
+                              stream_idle_timeout_s=0.5) as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", body)
+        metrics = await scrape(base)
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    assert usage(events) == {"prompt_tokens": 19, "completion_tokens": 12, "total_tokens": 31}
+    assert b.requests == [] and 'outcome="migrated"' not in metrics
+
+
+async def test_a_drain_does_not_move_a_stream_whose_done_event_went_out(fake_replicas):
+    a = await fake_replicas("a", tokens=True, hang_at_end=True)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router), \
+            httpx.AsyncClient(timeout=20) as c:
+        await all_ready(router, 2)
+        async with c.stream("POST", base + "/v1/completions", json=COMPLETION) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if line == "data: [DONE]":
+                    break
+            drained = await c.post(base + "/admin/replicas/r0/drain",
+                                   json={"move_streams": True})
+    assert drained.json()["moved_streams"] == 0, drained.json()
+    assert b.requests == []
+
+
 async def test_a_second_failure_moves_the_stream_again(fake_replicas):
     a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
     b = await fake_replicas("b", tokens=True, cut_after_tokens=2)
