@@ -250,9 +250,10 @@ def refusals(d: Deployment) -> dict[str, float]:
 
 
 def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deployment):
-    """One stream per reason, all on r1, which is killed: each ends with an error event
-    and `[DONE]` (as before migration existed) and its reason is counted; none hangs.
-    r1 is restarted by the supervisor before the test ends."""
+    """One stream per reason, all on r1, which is killed: each still running ends with
+    an error event and `[DONE]` (as before migration existed) and its reason is
+    counted; none hangs. r1 is restarted by the supervisor, and both replicas are ready
+    again, before the test ends, whatever it found."""
     before = refusals(deployment)
     pid, _ = deployment.replicas()["r1"]
     started = {reason: threading.Event() for reason in REFUSED}
@@ -277,24 +278,34 @@ def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deploymen
 
     admin(deployment, "r0", "drain")  # every stream on r1
     threads = [threading.Thread(target=run, args=(reason,), daemon=True) for reason in REFUSED]
+    killed = False
     try:
         for t in threads:
             t.start()
         for reason, event in started.items():
             assert event.wait(60), f"the {reason} stream did not start"
-            assert reason not in ended, (reason, ended[reason])  # still running
+        # On a busy machine a stream may end before the last one starts: it shows
+        # nothing about the kill; the others must, and every one of them ends cleanly.
+        running = [reason for reason in REFUSED if reason not in ended]
         admin(deployment, "r0", "undrain")
         os.killpg(pid, signal.SIGKILL)  # the API server and its engine core
+        killed = True
         for t in threads:
             t.join(timeout=60)
+        assert len(running) >= len(REFUSED) // 2, f"only {running} still ran at the kill"
+        for reason in REFUSED:
+            status, (error, done) = ended[reason]
+            assert status == 200 and done == "[DONE]", (reason, ended[reason])
+            if reason in running:
+                assert "stream interrupted" in json.loads(error)["error"]["message"], (
+                    reason, error)
+        after = refusals(deployment)
+        assert {r: after.get(r, 0) - before.get(r, 0) for r in running} == dict.fromkeys(
+            running, 1)
     finally:
         admin(deployment, "r0", "undrain")
-    for reason in REFUSED:
-        status, (error, done) = ended[reason]
-        assert status == 200 and done == "[DONE]", (reason, ended[reason])
-        assert "stream interrupted" in json.loads(error)["error"]["message"], (reason, error)
-    after = refusals(deployment)
-    assert {r: after.get(r, 0) - before.get(r, 0) for r in REFUSED} == dict.fromkeys(REFUSED, 1)
-    wait_for_sync(lambda: deployment.replicas()["r1"][0] != pid
-                  and state(deployment, "r1") == "ready",
-                  "r1 restarted and ready", within_s=300, every_s=1.0)
+        # Whatever failed above, the next tests get both replicas back.
+        wait_for_sync(lambda: (not killed or deployment.replicas()["r1"][0] != pid)
+                      and state(deployment, "r1") == "ready"
+                      and state(deployment, "r0") == "ready",
+                      "both replicas ready (r1 restarted)", within_s=300, every_s=1.0)
