@@ -16,7 +16,9 @@ used, or thousands of them. :class:`GuardedProtocol` adds, per connection:
   (flow control, a pipelined request waiting its turn): 408 and close;
 - a connection cap (`max_connections`): a connection past it gets 503 at once.
 
-The keep-alive timeout between requests is uvicorn's own. Malformed requests,
+A response's head goes out with its first body part, in one write
+(`dpserve.router.front_cycle`). The keep-alive timeout between requests is
+uvicorn's own. Malformed requests,
 which uvicorn answers in plain text, get the OpenAI error envelope, as do the
 refusals above. Protocol upgrades (WebSocket, h2c) are refused: the router
 forwards none, and a request that switches protocols would leave its body bytes
@@ -36,6 +38,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dpserve.router.errors import error_body
+from dpserve.router.front_cycle import OneWriteCycle
 from dpserve.router.metrics import FRONT_REJECTIONS
 
 log = logging.getLogger("dpserve.front")
@@ -132,6 +135,11 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, msg, "malformed")
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        # Every cycle, a pipelined one included, starts here before the app runs.
+        cycle.__class__ = OneWriteCycle
+        super()._start_asgi_task(cycle, app)
 
     # -- httptools callbacks ------------------------------------------------------------
 
