@@ -60,6 +60,11 @@ def py_spy_argv(py_spy: str, pid: int, out: Path, duration_s: float, rate: int) 
             "--rate", str(rate), "--format", "speedscope", "--function", "--output", str(out)]
 
 
+# Leaves where a thread waits in C without py-spy seeing it idle: an executor's worker
+# blocked on its queue (the router has one, idle, for the event loop's default executor).
+IDLE_LEAVES = frozenset({("_worker", "concurrent/futures/thread.py")})
+
+
 def summarize_speedscope(path: Path, top_n: int = 12) -> ProfileSummary:
     """Aggregate a py-spy speedscope file by self time (and dpserve frames by inclusive time)."""
     data = json.loads(path.read_text())
@@ -71,7 +76,7 @@ def summarize_speedscope(path: Path, top_n: int = 12) -> ProfileSummary:
     for profile in data["profiles"]:
         weights = profile.get("weights") or [1] * len(profile["samples"])
         for stack, weight in zip(profile["samples"], weights, strict=True):
-            if not stack:
+            if not stack or _is_idle(frames[stack[-1]]):
                 continue
             total += weight
             n_samples += 1
@@ -100,6 +105,10 @@ def summarize_speedscope(path: Path, top_n: int = 12) -> ProfileSummary:
         top=top,
         top_inclusive_dpserve=[(*where(i), c / total) for i, c in ours],
     )
+
+
+def _is_idle(frame: dict) -> bool:
+    return (frame.get("name"), _short(frame.get("file") or "")) in IDLE_LEAVES
 
 
 def write_collapsed(speedscope: Path, out: Path) -> None:

@@ -36,7 +36,8 @@ def ensure_tool(command: str, spec: str, venv: Path = BENCH_VENV) -> str:
         print(f"creating the benchmark's throwaway venv {venv} ...", flush=True)
         _run([sys.executable, "-m", "venv", str(venv)], f"could not create {venv}")
     print(f"installing {spec} into {venv} ...", flush=True)
-    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", spec],
+    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+          *spec.split()],
          f"`pip install {spec}` into {venv} failed")
     if not candidate.exists():
         raise RuntimeError(f"{spec} installed into {venv} but {candidate} is missing")
