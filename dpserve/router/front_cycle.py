@@ -11,7 +11,8 @@ app has not sent a body part by then (a stream whose replica is still working
 on its first token), the head goes out alone, as before. Clients see the same
 bytes in the same order; only the number of writes changes.
 
-The head is built with uvicorn's rules (header name and value checks,
+The head is built with uvicorn's rules (its header name and value checks, run
+once over all the names and once over all the values,
 content-length or chunked framing, `connection: close` when the connection will
 not be kept alive); body parts after the first are uvicorn's own code.
 """
@@ -77,13 +78,15 @@ class OneWriteCycle(RequestResponseCycle):
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
                                     self.scope["method"], get_path_with_query_string(self.scope),
                                     self.scope["http_version"], status_code)
+        # uvicorn's checks are character classes: one search over all the names (and one
+        # over all the values) finds what a search per header would.
+        if HEADER_RE.search(b"".join([name for name, _ in headers])):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
+            raise RuntimeError("Invalid HTTP header value.")
         content = [STATUS_LINE[status_code]]
         has_connection_close = False
         for name, value in headers:
-            if HEADER_RE.search(name):
-                raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_RE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
             name = name.lower()
             if name == b"content-length" and self.chunked_encoding is None:
                 self.expected_content_length = int(value.decode())
