@@ -47,7 +47,7 @@ from dpserve.replicas.launcher import free_port
 from dpserve.router.app import FORWARDED_ROUTES, Router, build_app
 from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import bind_socket
+from dpserve.router.server import bind_socket
 
 TARGET_MS = 20.0
 TREE = ("import subprocess, sys, time;"

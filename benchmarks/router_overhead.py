@@ -138,6 +138,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--dpserve-ref", metavar="REF",
         help="measure dpserve as committed at REF (git archive into the temp dir) instead of "
              "the working tree, e.g. HEAD while the tree is being edited, or to compare two")
+    add("--baseline-ref", metavar="REF",
+        help="also measure dpserve as committed at REF (column dpserve-baseline), "
+             "interleaved with the others: a before/after in one run")
     add("--profile", action="store_true", help="py-spy the dpserve router in a c=C run")
     add("--profile-dir", type=Path, help="where profile files go (default runs/profile-TIME)")
     add("--profile-rate", type=int, default=200, help="py-spy samples per second")
@@ -184,6 +187,8 @@ def discover(args: argparse.Namespace) -> Env:
         except RuntimeError as exc:
             print(f"note: no profile: {exc}")
     env.versions["dpserve"] = _git_describe(args.dpserve_ref)
+    if args.baseline_ref:
+        env.versions["dpserve-baseline"] = _git_describe(args.baseline_ref)
     return env
 
 
@@ -247,6 +252,8 @@ def router_starter(
     the working directory first on ``sys.path``, ahead of the editable install.
     """
     src = export_ref(args.dpserve_ref, work_dir) if args.dpserve_ref else None
+    baseline = (export_ref(args.baseline_ref, work_dir / "baseline")
+                if args.baseline_ref else None)
 
     def start(name: str, upstreams: Sequence[str]) -> Router | None:
         if name == "direct":
@@ -254,7 +261,7 @@ def router_starter(
         port, metrics_port = free_ports(2)
         cwd = None
         if name.startswith("dpserve"):
-            cwd = src
+            cwd = baseline if name == "dpserve-baseline" else src
             argv = router_argv(args.router_cmd, upstreams, port, cwd)
             if name == "dpserve-no-migration":
                 argv += ["--migration-limit", "0"]
@@ -313,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       services=services, start_router=router_starter(args, env, work_dir,
                                                                      services))
         names = [n for n in TARGETS if (n != "vllm-router" or env.vllm_router is not None)
-                 and (n != "dpserve-no-migration" or args.migration_off_too)]
+                 and (n != "dpserve-no-migration" or args.migration_off_too)
+                 and (n != "dpserve-baseline" or args.baseline_ref)]
         rounds: dict[str, list[TargetResult]] = {n: [] for n in names}
         for i in range(args.rounds):
             for name in names:

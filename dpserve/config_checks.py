@@ -9,12 +9,9 @@ deploy API that names adapters at run time.
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING
 
+from dpserve.config_schema import RouterConfig, ServeConfig
 from dpserve.settings import ConfigError, DiscoveryError, parse_target, require
-
-if TYPE_CHECKING:  # the dataclasses import this module to validate themselves
-    from dpserve.config import RouterConfig, ServeConfig
 
 POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
             "engine-load")

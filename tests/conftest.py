@@ -12,7 +12,7 @@ import pytest
 from dpserve.config import RouterConfig
 from dpserve.router.app import Router
 from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.serve import bind_socket, uvicorn_server
+from dpserve.router.server import bind_socket, uvicorn_server
 from tests.fakes import FakeReplica
 
 RunningRouter = tuple[str, Router]

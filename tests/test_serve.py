@@ -22,14 +22,8 @@ from dpserve.config import RouterConfig
 from dpserve.replicas.launcher import free_port
 from dpserve.rollout.deployed import Deployed, Weights
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.serve import (
-    PortInUseError,
-    announce_ready,
-    bind_socket,
-    compose,
-    listen,
-    uvicorn_server,
-)
+from dpserve.router.server import PortInUseError, bind_socket, listen, uvicorn_server
+from dpserve.serve import announce_ready, compose
 from tests.rollout.checkpoints import write_adapter
 
 

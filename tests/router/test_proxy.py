@@ -244,7 +244,7 @@ def test_the_listening_socket_disables_nagle():
     its own delayed ACK (~40 ms) between a response's headers and its body."""
     import socket
 
-    from dpserve.serve import bind_socket
+    from dpserve.router.server import bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     try:
@@ -255,7 +255,7 @@ def test_the_listening_socket_disables_nagle():
 
 
 def test_a_busy_port_is_a_clear_error():
-    from dpserve.serve import PortInUseError, bind_socket
+    from dpserve.router.server import PortInUseError, bind_socket
 
     taken = bind_socket("127.0.0.1", 0)
     taken.listen()
