@@ -17,9 +17,9 @@ Order of events for one request:
    always before a single byte went to the client — try another replica after
    a short backoff (bounded attempts): the client has seen nothing, so a retry
    is invisible;
-4. pass the response through: whole for JSON, chunk by chunk for streams.
-   A stream that breaks after it started ends with an SSE error event, never a hang,
-   after whole events only (`dpserve.router.sse`);
+4. pass the response through: whole for JSON, chunk by chunk for streams
+   (`dpserve.router.relay`). A stream that breaks after it started ends with an SSE
+   error event, never a hang, after whole events only (`dpserve.router.sse`);
 5. if the client disconnects at any point, the upstream request is closed, so
    vLLM aborts the generation instead of computing it for nobody.
 """
@@ -53,7 +53,7 @@ from dpserve.router.asgi import (
 from dpserve.router.breaker import Outcome, classify
 from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
-from dpserve.router.errors import RouterError, sse_error_event
+from dpserve.router.errors import RouterError
 from dpserve.router.exchange import Exchange
 from dpserve.router.metrics import RouterMetrics, status_class
 from dpserve.router.migrate import StreamState, upstream_body
@@ -61,11 +61,11 @@ from dpserve.router.migration import Broken, Migrator, Stream
 from dpserve.router.movable import refusal
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
+from dpserve.router.relay import StreamRelay
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
-from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.tracing import Tracing
-from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool, UpstreamResponse
+from dpserve.router.upstream import Origin, ResponseTooLarge, UpstreamPool
 from dpserve.router.upstream_errors import relay_error
 
 log = logging.getLogger("dpserve.proxy")
@@ -122,6 +122,8 @@ class ProxyEndpoint:
         self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
         self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)
+        self._streams = StreamRelay(route, config=config, metrics=metrics,
+                                    first_byte=self._first_byte, migrator=self._migrator)
 
     def _origin(self, base: str) -> Origin:
         origin = self._origins.get(base)
@@ -330,7 +332,7 @@ class ProxyEndpoint:
             out_headers = downstream_headers(resp, ex.request_id, replica, ex.adapter)
             version = replica.weight_version  # what the header says answers
             if stream and resp.content_type == "text/event-stream":
-                return await self._pass_stream(ex, resp, slot, out_headers, version)
+                return await self._streams.relay(ex, resp, slot, out_headers, version)
             cap = self._config.max_response_bytes
             try:
                 if resp.complete:  # small responses arrive with their head
@@ -364,58 +366,3 @@ class ProxyEndpoint:
             return status
         finally:
             resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts
-
-    async def _pass_stream(
-        self, ex: Exchange, resp: UpstreamResponse, slot: Slot,
-        headers: list[tuple[bytes, bytes]], version: str | None,
-    ) -> int | str | Broken:
-        """Forward an SSE stream chunk by chunk; headers go out with the first chunk."""
-        replica = slot.replica
-        idle = self._config.stream_idle_timeout_s
-        reader = resp
-        try:
-            async with asyncio.timeout(self._config.first_byte_timeout_s):
-                first = await reader.readany()
-        except _UNREACHABLE as exc:
-            slot.outcome = Outcome.DISCONNECTED
-            return f"stream dropped before its first chunk ({type(exc).__name__})"
-        except TimeoutError:
-            slot.outcome = Outcome.TIMEOUT
-            raise RouterError(504, f"replica {replica.id} sent no token within "
-                                   f"{self._config.first_byte_timeout_s:g} s") from None
-        replied = ex.replied
-        ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
-        self._first_byte.observe(slot.first_byte_s)
-        await replied.start(resp.status, headers)
-        if ex.migration is not None:
-            return await self._migrator.relay(ex.migration, resp, slot, first)
-        events = EventFramer(self._config.max_response_bytes)
-        chunk = first
-        try:
-            while chunk:
-                if whole := events.feed(chunk):
-                    await replied.body(versioned(whole, ex.adapter, ex.client_model, version),
-                                       more=True)
-                events.check()
-                async with asyncio.timeout(idle):
-                    chunk = await reader.readany()
-        except (*_UNREACHABLE, TimeoutError, EventTooLarge) as exc:
-            # What the client has is whole events; the unfinished one is dropped.
-            slot.outcome = (Outcome.SERVER_ERROR if isinstance(exc, EventTooLarge)
-                            else classify(None, exc))
-            reason = (f"no data for {idle:g} s" if isinstance(exc, TimeoutError)
-                      else str(exc) if isinstance(exc, EventTooLarge)
-                      else "the replica closed the stream early")
-            log.warning("stream from replica %s cut: %s", replica.id, reason)
-            self._metrics.stream_errors.labels(self.route, replica.id).inc()
-            if ex.not_migratable and not isinstance(exc, EventTooLarge):
-                self._metrics.migrations.labels(
-                    "stalled" if isinstance(exc, TimeoutError) else "disconnected",
-                    "refused").inc()
-                self._metrics.migration_refusals.labels(ex.not_migratable).inc()
-            await replied.body(sse_error_event(502, f"stream interrupted: {reason}"), more=False)
-            return resp.status
-        await replied.body(versioned(events.rest(), ex.adapter, ex.client_model, version),
-                           more=False)
-        return resp.status
-
