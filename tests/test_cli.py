@@ -128,6 +128,17 @@ def test_every_flag_of_every_command_has_a_help_line():
             assert action.help and action.help.strip(), (name, action.option_strings)
 
 
+def test_every_flag_of_the_torchrun_entry_has_a_help_line():
+    """`torchrun -m dpserve.finetune.train --help` (multi-node runs start it directly)."""
+    from dpserve.finetune.train import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help and action.help.strip(), action.option_strings
+    assert " ".join(parser._option_string_actions["--eval-every"].help.split()) == (
+        "steps between two evaluations (and at the end)")
+
+
 def test_help_shows_each_default_worth_showing():
     subs = _subcommands()
     assert _help_of(subs["serve"], "--port") == "port of the OpenAI API (default 8000)"

@@ -9,7 +9,7 @@ from dpserve.config import (
     build_serve_config,
     load_yaml,
 )
-from dpserve.config_reference import field_docs
+from dpserve.fielddocs import field_docs
 from dpserve.keys import MIN_ADMIN_KEY_CHARS, MIN_API_KEY_CHARS
 
 

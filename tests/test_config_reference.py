@@ -10,6 +10,7 @@ from pathlib import Path
 from dpserve import config_reference
 from dpserve.cli import build_parser
 from dpserve.config import RouterConfig, ServeConfig
+from dpserve.fielddocs import field_docs
 from dpserve.finetune.config import FinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def test_every_setting_has_a_row_with_its_variable_and_meaning():
     block = config_reference.generate(build_parser())
     for cls, prefix in ((ServeConfig, ""), (RouterConfig, "router."),
                         (FinetuneConfig, "finetune.")):
-        docs = config_reference.field_docs(cls)
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name == "router":
                 continue

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.config import ConfigError, load_yaml, resolve
+from dpserve.fielddocs import as_help, field_docs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
         p.add_argument("--rdzv-endpoint")
         p.add_argument("--rdzv-id")
         p.add_argument("--max-restarts", type=int)
+    docs = field_docs(FinetuneConfig)
+    for action in p._actions:
+        if not action.help and action.dest in docs:  # the setting's own words
+            action.help = as_help(docs[action.dest])
 
 
 def build_finetune_config(

@@ -366,10 +366,18 @@ def _config_dtype(model: str) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpserve.finetune.train")
+def build_parser() -> argparse.ArgumentParser:
+    """The torchrun entry's flags: `dpserve finetune`'s, without the launcher's."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dpserve.finetune.train",
+        description="One rank of a fine-tuning run, under torchrun (`dpserve finetune` "
+                    "starts it for you).")
     add_arguments(parser, launcher=False)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     try:
         cfg = build_finetune_config(ns)
     except ConfigError as exc:
