@@ -165,30 +165,25 @@ def run_here(args: argparse.Namespace) -> dict:
 
 
 def run_ref(ref: str, args: argparse.Namespace, work: Path) -> dict:
+    """One round against dpserve as committed at `ref` (exported once under `work`)."""
     src = work / "ref"
     if not src.exists():
         archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref,
                                   "dpserve"], capture_output=True, check=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(src, filter="data")
+    return run_once(args, src, f"the run at {ref}")
+
+
+def run_once(args: argparse.Namespace, src: Path, what: str) -> dict:
+    """One round in a fresh process, with dpserve imported from `src`."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--once", "--requests",
             str(args.requests), "--concurrency", str(args.concurrency)]
     argv += ["--stream"] * args.stream + ["--migration-off"] * args.migration_off
     done = subprocess.run(argv, capture_output=True, text=True, cwd=src, check=False,
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
     if done.returncode != 0:
-        raise SystemExit(f"the run at {ref} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def run_tree(args: argparse.Namespace) -> dict:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--once", "--requests",
-            str(args.requests), "--concurrency", str(args.concurrency)]
-    argv += ["--stream"] * args.stream + ["--migration-off"] * args.migration_off
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, check=False,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    if done.returncode != 0:
-        raise SystemExit(f"the run of the working tree failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -217,7 +212,7 @@ def main() -> int:
     ratios: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dpserve-proxy-") as tmp:
         for i in range(args.rounds):
-            got = run_tree(args)
+            got = run_once(args, REPO, "the run of the working tree")
             if set(got["statuses"]) != {"200"}:
                 raise SystemExit(f"the tree answered {got['statuses']}, not only 200")
             tree.append(got["cpu_us"])
