@@ -11,7 +11,8 @@ data plane's code save. This benchmark isolates that code: the router's ASGI app
 (`build_app`, the default prefix-affinity policy, two ready replicas, metrics,
 migration tracking on) is called in-process with canned requests, and its
 upstream client is replaced by one that answers each request at once from memory
-with a replica's completion (or, `--stream`, a 16-event SSE stream in one chunk).
+with a replica's completion (or, `--stream`, a 16-event SSE stream in one chunk,
+with token ids as vLLM sends them to a router that tracks the stream).
 No socket, no uvicorn, no kernel: what is left is dispatch, policy, request
 parsing, headers, metrics and the relay, whose CPU time per request
 (`time.process_time`) repeats within a few percent.
@@ -52,7 +53,13 @@ def canned(stream: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:
 
     bodies = build_bodies(MODEL, 16)
     if stream:
-        body = b"".join(bodies.chat_chunks) + DONE_EVENT
+        # As vLLM answers the router, which asks for `return_token_ids` on a stream it
+        # tracks: the prompt's ids on the first event, each event its token's id.
+        events = [chunk.replace(b'"token_ids":null', b'"token_ids":[%d]' % (1000 + i))
+                  for i, chunk in enumerate(bodies.chat_chunks)]
+        events[0] = events[0].replace(b'"prompt_token_ids":null',
+                                      b'"prompt_token_ids":[1,15043,3186,29991]')
+        body = b"".join(events) + DONE_EVENT
         return [(b"content-type", b"text/event-stream; charset=utf-8")], body
     return [(b"content-type", b"application/json"),
             (b"content-length", str(len(bodies.completion)).encode())], bodies.completion
