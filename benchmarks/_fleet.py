@@ -31,7 +31,8 @@ from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import Rollout
 from dpserve.router.app import build_app
 from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.serve import bind_socket, compose
+from dpserve.router.server import bind_socket
+from dpserve.serve import compose
 from dpserve.tinymodel import TINY_MODEL_NAME
 
 POLL_S = 0.05
