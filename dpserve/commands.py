@@ -26,6 +26,9 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
     g.add_argument("--host", help="address of the OpenAI API (default 127.0.0.1)")
     g.add_argument("--port", type=int, help="port of the OpenAI API (default 8000)")
+    g.add_argument("--workers", type=int,
+                   help="processes serving the data plane on the port, one core each "
+                        "(default 1)")
     g.add_argument("--policy", choices=POLICIES, help="replica selection policy")
     g.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     g.add_argument("--max-attempts", type=int, help="replicas tried per request")

@@ -20,6 +20,7 @@ POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affi
 def validate_router(c: RouterConfig) -> None:
     require(bool(c.host), "router.host", "must not be empty", c.host)
     require(0 <= c.port <= 65535, "router.port", "must be in 0..65535", c.port)
+    require(1 <= c.workers <= 64, "router.workers", "must be in 1..64", c.workers)
     require(c.policy in POLICIES, "router.policy", f"must be one of {', '.join(POLICIES)}",
              c.policy)
     require(c.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1024",

@@ -19,6 +19,10 @@ class RouterConfig:
     """Address the OpenAI API listens on. Replicas always stay on loopback."""
     port: int = 8000
     """Port of the OpenAI API."""
+    workers: int = 1
+    """Processes serving the data plane on the port (SO_REUSEPORT), one core each: the
+    first leads (health checks, deploys, admin, metrics) and serves too. More than one
+    only where the router, not the engines, is the bottleneck; docs/serving.md."""
     policy: str = "prefix-affinity"
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),

@@ -45,6 +45,7 @@ from dpserve.router.app import Router
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.server import listen, uvicorn_server
+from dpserve.router.workers.process import Workers, start_workers
 
 log = logging.getLogger("dpserve.serve")
 
@@ -157,6 +158,8 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
     sockets = listen(config) if sockets is None else sockets
     server = uvicorn_server(router, config)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    workers = (start_workers(router, server.config.app, config, sockets[0])
+               if config.workers > 1 else None)
     try:
         serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
         if config.loras:
@@ -166,8 +169,10 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
                 server.should_exit = True
                 await serving
                 return 1
-        return await _serve_until_stopped(server, signals, serving)
+        return await _serve_until_stopped(server, signals, serving, workers)
     finally:
+        if workers is not None:
+            await workers.stop(config.graceful_shutdown_s)
         await rollout.aclose()
         signals.close()
 
@@ -196,6 +201,7 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
     sockets = listen(config.router) if sockets is None else sockets
     server = uvicorn_server(router, config.router)
     signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    workers: Workers | None = None
     # Read at scrape time: GPUs through NVML where there are any, else the replicas'
     # processes, so one dashboard serves GPU and CPU fleets.
     devices = [(s.id, s.device) for s in specs]
@@ -212,6 +218,8 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
         # Router first: /health and /ready answer (503 until a replica is up) while
         # the engines load, as orchestrators' probes expect.
         serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
+        if config.router.workers > 1:
+            workers = start_workers(router, server.config.app, config.router, sockets[0])
         starting = asyncio.create_task(supervisor.start(), name="dpserve-start")
         stopped = asyncio.create_task(signals.stop.wait())
         done, _ = await asyncio.wait({serving, starting, stopped},
@@ -230,12 +238,14 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
             log.error("the router stopped unexpectedly (is port %d free?)", config.router.port)
             return 1
         stopped.cancel()
-        return await _serve_until_stopped(server, signals, serving)
+        return await _serve_until_stopped(server, signals, serving, workers)
     except ReplicaStartError as exc:
         log.error("%s", exc)
         return 1
     finally:
         server.should_exit = True
+        if workers is not None:
+            await workers.stop(config.router.graceful_shutdown_s)
         if not serving.done():
             with contextlib.suppress(Exception):
                 await serving
@@ -284,7 +294,8 @@ async def deploy_start_adapters(rollout: Rollout, pool: ReplicaPool,
 
 
 async def _serve_until_stopped(
-    server: uvicorn.Server, signals: _Signals, serving: asyncio.Task[None]
+    server: uvicorn.Server, signals: _Signals, serving: asyncio.Task[None],
+    workers: Workers | None = None,
 ) -> int:
     stopped = asyncio.create_task(signals.stop.wait())
     done, _ = await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,5 +306,8 @@ async def _serve_until_stopped(
         log.error("the router stopped unexpectedly")
         return 1
     server.should_exit = True  # stop accepting; uvicorn drains in-flight requests
+    if workers is not None:  # and so does every worker, at the same time
+        await asyncio.gather(serving, workers.stop(server.config.timeout_graceful_shutdown
+                                                   or 0.0))
     await serving
     return 0

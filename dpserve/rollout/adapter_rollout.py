@@ -119,6 +119,8 @@ async def retire(adapters: Adapters, version: AdapterVersion,
     """Once no request is on the retiring `version`, unload it everywhere. Requests
     are bounded (the router's stream idle and first-byte timeouts), so this ends."""
     assert version.retiring
+    if adapters.settle is not None:  # other workers may still resolve names to it
+        await adapters.settle()
     while version.in_flight:
         await asyncio.sleep(RETIRE_POLL_S)
     await unload_everywhere(adapters, version, replicas(), admin_for)

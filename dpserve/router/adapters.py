@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -59,6 +59,9 @@ class Adapters:
         self._current: dict[str, AdapterVersion] = {}
         self._versions: dict[str, AdapterVersion] = {}
         """Every version loaded somewhere, retiring ones included, by engine name."""
+        self.settle: Callable[[], Awaitable[None]] | None = None
+        """With data-plane workers: returns once every worker has applied this table as
+        it is now and reported its leases (`dpserve.router.workers`)."""
 
     def __len__(self) -> int:
         return len(self._versions)
@@ -130,6 +133,24 @@ class Adapters:
         if version is not None:
             version.retiring = True
         return version
+
+    def mirror(self, versions: list[AdapterVersion], current: dict[str, str]) -> None:
+        """Make this table a copy of another's (a data-plane worker's copy of the
+        leader's): `current` maps names to engine names. A version already here is
+        updated in place, so the leases requests hold on it stay counted."""
+        kept: dict[str, AdapterVersion] = {}
+        for version in versions:
+            mine = self._versions.get(version.engine_name)
+            if mine is None:
+                mine = version
+            else:
+                mine.path, mine.rank = version.path, version.rank
+                mine.serving, mine.retiring = version.serving, version.retiring
+                mine.replicas = version.replicas
+            kept[version.engine_name] = mine
+        self._versions = kept
+        self._current = {name: kept[engine] for name, engine in current.items()
+                         if engine in kept}
 
     def remove(self, version: AdapterVersion) -> None:
         """Forget a version unloaded everywhere (or whose load was rolled back)."""

@@ -28,7 +28,7 @@ from starlette.routing import BaseRoute, Route
 from dpserve.config import RouterConfig, parse_target
 from dpserve.router.adapters import Adapters
 from dpserve.router.admin import admin_routes
-from dpserve.router.asgi import Receive, Scope, Send
+from dpserve.router.asgi import ASGIApp, Receive, Scope, Send
 from dpserve.router.auth import Authenticate
 from dpserve.router.budget import BodyBudget
 from dpserve.router.discovery import Discovery
@@ -162,7 +162,7 @@ def build_app(router: Router) -> DataPlaneFront:
 
     async def metrics(request: Request) -> Response:
         router.refresh_gauges()
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await router.metrics.render_all(), media_type=CONTENT_TYPE)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -173,16 +173,9 @@ def build_app(router: Router) -> DataPlaneFront:
         *admin_routes(router.pool, router.health, router.dispatcher.streams),
         *router.routes,
     ]
-    forwarded: dict[tuple[str, str], ProxyEndpoint] = {}
-    for path, method in FORWARDED_ROUTES:
-        endpoint = ProxyEndpoint(
-            path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
-            metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
-            keys=router.policy.needs, method=method, adapters=router.adapters,
-            tracing=router.tracing,
-        )
-        forwarded[(path, method)] = endpoint
-        routes.append(Route(path, endpoint, methods=[method]))
+    forwarded = proxy_endpoints(router)
+    routes += [Route(path, endpoint, methods=[method])
+               for (path, method), endpoint in forwarded.items()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -212,9 +205,29 @@ def build_app(router: Router) -> DataPlaneFront:
     config = router.config
     app.add_middleware(Authenticate, api_keys=config.api_keys, admin_key=config.admin_key,
                        admin_port=config.admin_port)
+    return build_data_plane(router, app, forwarded)
+
+
+def proxy_endpoints(router: Router) -> dict[tuple[str, str], ProxyEndpoint]:
+    """The forwarded routes' endpoints, by (path, method)."""
+    return {(path, method): ProxyEndpoint(
+        path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
+        metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
+        keys=router.policy.needs, method=method, adapters=router.adapters,
+        tracing=router.tracing,
+    ) for path, method in FORWARDED_ROUTES}
+
+
+def build_data_plane(router: Router, rest: ASGIApp,
+                     forwarded: dict[tuple[str, str], ProxyEndpoint] | None = None
+                     ) -> DataPlaneFront:
+    """The router's entry: forwarded routes straight to their endpoints, the `rest`
+    (every other request, and the lifespan) to `rest`."""
+    config = router.config
     auth = Authenticate(None, api_keys=config.api_keys, admin_key=config.admin_key,
                         admin_port=config.admin_port)
-    return DataPlaneFront(app, forwarded, auth)
+    return DataPlaneFront(rest, forwarded if forwarded is not None
+                          else proxy_endpoints(router), auth)
 
 
 class DataPlaneFront:
@@ -225,7 +238,7 @@ class DataPlaneFront:
     plane does not need: `ProxyEndpoint` answers its own errors in the OpenAI envelope.
     """
 
-    def __init__(self, app: Starlette, forwarded: dict[tuple[str, str], ProxyEndpoint],
+    def __init__(self, app: ASGIApp, forwarded: dict[tuple[str, str], ProxyEndpoint],
                  auth: Authenticate) -> None:
         self.app = app
         self._forwarded = forwarded

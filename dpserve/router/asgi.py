@@ -23,6 +23,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 REQUEST_ID_HEADER = "x-request-id"
 REPLICA_HEADER = "x-dpserve-replica"

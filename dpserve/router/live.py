@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from dpserve.router.http1 import Disconnected, UpstreamResponse
 
@@ -21,9 +22,19 @@ class Evicted(Disconnected):
     """The router took the stream off its replica (drained with a deadline)."""
 
 
+class Peers(Protocol):
+    """The streams other data-plane workers run (`dpserve.router.workers`)."""
+
+    def movable(self, replica_id: str) -> int: ...
+
+    def evict(self, replica_id: str) -> int: ...
+
+
 class LiveStreams:
     def __init__(self) -> None:
         self._on: dict[str, dict[UpstreamResponse, Callable[[], bool]]] = {}
+        self.peers: Peers | None = None
+        """Other workers' streams, counted and evicted with this worker's."""
 
     @contextlib.contextmanager
     def running(self, replica_id: str, resp: UpstreamResponse,
@@ -39,13 +50,18 @@ class LiveStreams:
             if not streams:
                 del self._on[replica_id]
 
+    def replicas(self) -> list[str]:
+        """The replicas with a stream running here."""
+        return list(self._on)
+
     def movable(self, replica_id: str) -> int:
         """How many streams on `replica_id` could move now."""
-        return sum(movable() for movable in self._on.get(replica_id, {}).values())
+        here = sum(movable() for movable in self._on.get(replica_id, {}).values())
+        return here + (self.peers.movable(replica_id) if self.peers is not None else 0)
 
     def evict(self, replica_id: str) -> int:
         """Interrupt every stream on `replica_id` that can move; how many there were."""
         moving = [r for r, movable in self._on.get(replica_id, {}).items() if movable()]
         for resp in moving:
             resp.interrupt(Evicted(f"replica {replica_id} drained"))
-        return len(moving)
+        return len(moving) + (self.peers.evict(replica_id) if self.peers is not None else 0)

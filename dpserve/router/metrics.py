@@ -16,15 +16,16 @@ so a fleet that scales keeps its label sets bounded by the replicas it has.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.metrics_collectors import DemandCollector, PoolCollector, WeightVersionCollector
+from dpserve.router.metrics_merge import SUMMED_FAMILIES, merge_exposition
+from dpserve.router.pool import Replica, ReplicaPool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -236,9 +237,9 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-        self.registry.register(_PoolCollector(pool))
-        self.registry.register(_WeightVersionCollector(pool))
-        self.registry.register(_DemandCollector(pool, self.queue_depth))
+        self.registry.register(PoolCollector(pool))
+        self.registry.register(WeightVersionCollector(pool))
+        self.registry.register(DemandCollector(pool, self.queue_depth))
 
         for route in ROUTES:  # from 0, like every closed label set (module docstring)
             for child in (self.request_duration, self.time_to_first_byte, self.retries,
@@ -247,6 +248,8 @@ class RouterMetrics:
             for sc in ROUTER_STATUS_CLASSES:
                 self.requests.labels(route, "none", sc)
         self._clock = clock
+        self.others: Callable[[], list[bytes]] | None = None
+        """With data-plane workers: the other workers' own metrics, summed into these."""
         self._left: dict[str, float] = {}
         """Replicas that left the pool -> when; swept at each render for LEFT_SWEEP_S."""
         for replica in pool:
@@ -256,6 +259,19 @@ class RouterMetrics:
     def render(self) -> bytes:
         self._sweep()
         return generate_latest(self.registry)
+
+    async def render_all(self) -> bytes:
+        """`render`, with the other workers' data-plane counts summed in (merged on a
+        thread: parsing the workers' texts costs ~10 ms each, too long for the loop)."""
+        own = self.render()
+        if self.others is None:
+            return own
+        return await asyncio.to_thread(merge_exposition, own, self.others(), SUMMED_FAMILIES)
+
+    def answered(self) -> float:
+        """Requests this process answered, over every route, replica and status."""
+        return sum(s.value for m in self.requests.collect() for s in m.samples
+                   if s.name.endswith("_total"))
 
     def add_replica(self, replica: str) -> None:
         """Make every series of `replica` at 0 (its breaker closed): a replica that joins
@@ -310,81 +326,3 @@ class RouterMetrics:
 def _remove(metric: Counter | Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):  # prometheus_client < 0.21 raises for a missing one
         metric.remove(*labels)
-
-
-class _PoolCollector(Collector):
-    """Gauges read from the pool at scrape time."""
-
-    def __init__(self, pool: ReplicaPool) -> None:
-        self._pool = pool
-
-    def collect(self) -> Iterable[Metric]:
-        in_flight = GaugeMetricFamily(
-            "dpserve_replica_in_flight_requests",
-            "Requests the router has in flight on each replica.",
-            labels=["replica"],
-        )
-        state = GaugeMetricFamily(
-            "dpserve_replica_state",
-            "1 for the state each replica is in, 0 for the others.",
-            labels=["replica", "state"],
-        )
-        ready = GaugeMetricFamily(
-            "dpserve_replicas_ready", "Replicas currently receiving requests."
-        )
-        for r in self._pool:
-            in_flight.add_metric([r.id], r.in_flight)
-            for s in ReplicaState:
-                state.add_metric([r.id, s.value], 1.0 if r.state is s else 0.0)
-        ready.add_metric([], len(self._pool.ready()))
-        return [in_flight, state, ready]
-
-
-class _WeightVersionCollector(Collector):
-    """`dpserve_replica_weight_info{replica,version} 1`: which weights each replica serves,
-    read from the pool at scrape time. One series per replica (the old version's series
-    disappears when it changes), so the label stays bounded by the fleet size."""
-
-    def __init__(self, pool: ReplicaPool) -> None:
-        self._pool = pool
-
-    def collect(self) -> Iterable[Metric]:
-        info = GaugeMetricFamily(
-            "dpserve_replica_weight_info",
-            "1 for the weight version each replica serves (`unknown` while it is not known).",
-            labels=["replica", "version"],
-        )
-        for r in self._pool:
-            info.add_metric([r.id, r.weight_version or "unknown"], 1.0)
-        return [info]
-
-
-class _DemandCollector(Collector):
-    """`dpserve_requests_outstanding`: the requests this router holds, waiting in its queue
-    or in flight on a replica, read at scrape time (the queue depth as last refreshed).
-
-    This is the engines' autoscaling signal (deploy/k8s/components/autoscaling): summed
-    over routers it is the fleet's demand, and replicas needed = demand / the requests
-    one engine serves well. In flight already holds what an engine queues
-    (`vllm:num_requests_waiting`: the router's request is open until the engine
-    answers), so adding that would count it twice. Unlike a waiting count, which is 0
-    whenever the fleet keeps up, demand stays proportional to load: it also tells the
-    autoscaler how far it may scale down. Replicas draining, reloading or leaving
-    (removed from the pool, their requests still finishing) count: what they run is
-    still demand."""
-
-    def __init__(self, pool: ReplicaPool, queue_depth: Gauge) -> None:
-        self._pool = pool
-        self._queue_depth = queue_depth
-
-    def collect(self) -> Iterable[Metric]:
-        queued = sum(s.value for m in self._queue_depth.collect() for s in m.samples)
-        demand = GaugeMetricFamily(
-            "dpserve_requests_outstanding",
-            "Requests this router holds: waiting in its queue plus in flight on a replica "
-            "(the engines' autoscaling signal; sum over routers).",
-        )
-        held = sum(r.in_flight for r in self._pool) + sum(
-            r.in_flight for r in self._pool.leaving())
-        demand.add_metric([], queued + held)
-        return [demand]

@@ -19,7 +19,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from dpserve.router.engine_metrics import EngineLoad
@@ -89,6 +89,9 @@ class ReplicaPool:
         self._joined: list[MembershipListener] = []
         self._left: list[MembershipListener] = []
         self._leaving: list[Replica] = []
+        self.settle: Callable[[], Awaitable[None]] | None = None
+        """With data-plane workers: returns once every worker has applied the pool's
+        state as it is now and reported its in-flight counts (`dpserve.router.workers`)."""
 
     def __iter__(self) -> Iterator[Replica]:
         return iter(self._replicas)
@@ -181,6 +184,8 @@ class ReplicaPool:
         """Wait up to `within_s` for `replica` to have nothing in flight; whether it has.
         (Counts change in the data plane's slots, which signal nothing: poll.)"""
         deadline = time.monotonic() + within_s
+        if self.settle is not None:  # other workers may not have seen the drain yet
+            await self.settle()
         while replica.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
         return replica.in_flight == 0

@@ -17,6 +17,7 @@ import uvicorn
 
 from dpserve.config import RouterConfig
 from dpserve.router.app import Router, build_app
+from dpserve.router.asgi import ASGIApp
 from dpserve.router.front import FrontLimits, protocol_factory
 
 log = logging.getLogger("dpserve.serve")
@@ -31,8 +32,10 @@ class PortInUseError(OSError):
         self.reason = reason
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the router's listening socket up front, so a busy port is a clear error."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """Bind the router's listening socket up front, so a busy port is a clear error.
+    `reuse_port`: data-plane workers each bind the port (the kernel spreads connections
+    among them); only processes of the same user can join."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket names its protocol. Without it, Nagle holds back the
@@ -40,6 +43,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -60,22 +65,26 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handling (dpserve decides the shutdown order),
     saying where it listens once it does: given sockets, uvicorn says nothing."""
 
+    announce = True
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and sockets:
+        if self.started and sockets and self.announce:
             log.info("router on %s (OpenAI API at /v1)", url_of(sockets[0], self.config.host))
             if len(sockets) > 1:
                 admin = sockets[1]
                 log.info("admin API on %s (/admin/*)", url_of(admin, admin.getsockname()[0]))
 
 
-def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
+def uvicorn_server(router: Router, config: RouterConfig, *, app: ASGIApp | None = None,
+                   announce: bool = True) -> uvicorn.Server:
     """The router's HTTP server: uvicorn on httptools behind the front's limits
-    (`dpserve.router.front`), believing proxy headers only from `trusted_proxies`."""
+    (`dpserve.router.front`), believing proxy headers only from `trusted_proxies`.
+    `app`: another entry than the router's own (a data-plane worker's)."""
     rejections = router.metrics.front_rejections
     limits = FrontLimits(
         max_header_bytes=config.max_header_bytes,
@@ -83,8 +92,8 @@ def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
         body_timeout_s=config.client_body_timeout_s,
         max_connections=config.max_connections,
         on_reject=lambda reason: rejections.labels(reason).inc())
-    return _Server(uvicorn.Config(
-        build_app(router),
+    server = _Server(uvicorn.Config(
+        build_app(router) if app is None else app,
         host=config.host,
         port=config.port,
         log_level=config.log_level.lower(),
@@ -99,13 +108,15 @@ def uvicorn_server(router: Router, config: RouterConfig) -> uvicorn.Server:
         proxy_headers=bool(config.trusted_proxies),
         forwarded_allow_ips=list(config.trusted_proxies or []),
     ))
+    server.announce = announce
+    return server
 
 
 def listen(config: RouterConfig) -> list[socket.socket]:
     """The router's listening sockets: the API's, and the admin listener's if it has one.
     Bound before anything starts, so that a busy port costs no replica start-up; the
     error names the flags at fault."""
-    sockets = [_bind(config.host, config.port, "--host", "--port")]
+    sockets = [_bind(config.host, config.port, "--host", "--port", config.workers > 1)]
     if config.admin_port is not None:
         try:
             sockets.append(_bind(config.admin_host, config.admin_port, "--admin-host",
@@ -116,9 +127,10 @@ def listen(config: RouterConfig) -> list[socket.socket]:
     return sockets
 
 
-def _bind(host: str, port: int, host_flag: str, port_flag: str) -> socket.socket:
+def _bind(host: str, port: int, host_flag: str, port_flag: str,
+          reuse_port: bool = False) -> socket.socket:
     try:
-        return bind_socket(host, port)
+        return bind_socket(host, port, reuse_port=reuse_port)
     except PortInUseError as exc:
         if exc.reason == errno.EADDRINUSE:
             where = f"{port_flag} {port}"

@@ -1,0 +1,245 @@
+"""A follower's side of the workers: apply the leader's table, report, relay the rest.
+
+A follower's pool is a mirror: its replicas are added, removed and change state
+only as the leader's table says, except that a replica its own requests find
+unreachable is marked down here at once (as with one worker) and reported, so the
+leader takes it out everywhere. Its `in_flight` counts are totals like the
+leader's: its own requests (held by the dispatcher's slots, as always) plus the
+table's count elsewhere, applied as a difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import logging
+import time
+from typing import Any
+
+from dpserve.router.app import Router, build_data_plane
+from dpserve.router.asgi import Receive, Scope, Send
+from dpserve.router.canary import CanarySplit, Sample
+from dpserve.router.errors import error_body
+from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.workers.leader import TICK_S
+from dpserve.router.workers.wire import (
+    Channel,
+    Message,
+    apply_adapter_table,
+    apply_row,
+    new_replica,
+)
+
+log = logging.getLogger("dpserve.router")
+
+METRICS_EVERY_S = 1.0
+"""How often a follower sends its own metrics; the leader's /metrics lags this much."""
+MAX_RELAYED_BODY_BYTES = 1024 * 1024
+"""Largest body of a request relayed to the leader (admin calls; their limit is 64 KiB)."""
+
+
+class Follower:
+    def __init__(self, router: Router, channel: Channel) -> None:
+        self._router = router
+        self._pool = router.pool
+        self._channel = channel
+        self._elsewhere: dict[str, int] = {}
+        self._seq = 0
+        self._applying = False
+        self._down: list[list[str]] = []
+        self._canary_epoch: int | None = None
+        self._adapters: Message | None = None
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._ids = itertools.count()
+        self._sent: Message | None = None
+        self._metrics_at = 0.0
+        self.has_table = asyncio.Event()
+        """Set once the first table is applied: the follower may route."""
+        self.closed = asyncio.Event()
+        """Set when the leader is gone or asked this worker to stop."""
+        self._pool.on_state_change(self._state_changed)
+
+    async def run(self) -> None:
+        """Apply tables and send reports until the leader closes the channel."""
+        reporting = asyncio.create_task(self._report_loop(), name="dpserve-report")
+        try:
+            while (message := await self._channel.recv()) is not None:
+                op = message.get("op")
+                if op == "table":
+                    self._apply(message)
+                    self._report(force=True)
+                elif op == "evict":
+                    self._router.dispatcher.streams.evict(message["replica"])
+                elif op == "reply":
+                    future = self._pending.pop(message["id"], None)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                elif op == "stop":
+                    break
+        finally:
+            self.closed.set()
+            reporting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporting
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("the leader worker is gone"))
+
+    async def relay(self, scope: Scope, body: bytes) -> Message:
+        """Have the leader answer a request; its reply (status, headers, body)."""
+        if self.closed.is_set():
+            raise ConnectionError("the leader worker is gone")
+        request_id = next(self._ids)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        client, server = scope.get("client"), scope.get("server")
+        self._channel.send({"op": "http", "id": request_id, "body": base64.b64encode(
+            body).decode(), "scope": {
+            "http_version": scope.get("http_version", "1.1"), "method": scope["method"],
+            "scheme": scope.get("scheme", "http"), "path": scope["path"],
+            "query_string": scope.get("query_string", b"").decode("latin-1"),
+            "headers": [[n.decode("latin-1"), v.decode("latin-1")]
+                        for n, v in scope["headers"]],
+            "client": list(client) if client else None,
+            "server": list(server) if server else None}})
+        try:
+            return await future
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _apply(self, table: Message) -> None:
+        rows = {row["id"]: row for row in table["replicas"]}
+        self._applying = True
+        try:
+            for replica in list(self._pool):
+                if replica.id not in rows:
+                    replica.in_flight -= self._elsewhere.pop(replica.id, 0)
+                    self._pool.remove(replica.id, "left the pool")
+            for replica_id, row in rows.items():
+                found = self._pool.get(replica_id)
+                if found is None:
+                    found = new_replica(row)
+                    self._pool.add(found)
+                replica = found
+                state = apply_row(replica, row)
+                replica.in_flight += row["elsewhere"] - self._elsewhere.get(replica_id, 0)
+                self._elsewhere[replica_id] = row["elsewhere"]
+                self._pool.set_state(replica, state)
+        finally:
+            self._applying = False
+        dispatcher = self._router.dispatcher
+        canary = table["canary"]
+        epoch = None if canary is None else canary["epoch"]
+        if epoch != self._canary_epoch:
+            self._canary_epoch = epoch
+            dispatcher.canary = (None if canary is None
+                                 else CanarySplit(canary["replica"], canary["weight"]))
+        if table["adapters"] != self._adapters:
+            self._adapters = table["adapters"]
+            apply_adapter_table(self._router.adapters, table["adapters"])
+        self._seq = table["seq"]
+        self.has_table.set()
+
+    def _state_changed(self, replica: Replica, old: ReplicaState, new: ReplicaState) -> None:
+        if not self._applying and new is ReplicaState.DOWN:
+            self._down.append([replica.id, replica.last_error or "unreachable"])
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._report(force=False)
+
+    def _report(self, *, force: bool) -> None:
+        replicas = [*self._pool, *self._pool.leaving()]
+        streams = self._router.dispatcher.streams
+        report: Message = {
+            "op": "report", "seq": self._seq,
+            "in_flight": {r.id: n for r in replicas
+                          if (n := r.in_flight - self._elsewhere.get(r.id, 0))},
+            "adapters": {v.engine_name: v.in_flight
+                         for v in self._router.adapters.versions() if v.in_flight},
+            "movable": {rid: n for rid in streams.replicas() if (n := streams.movable(rid))},
+            "down": self._down,
+            "canary": self._canary_samples(),
+        }
+        now = time.monotonic()
+        if now - self._metrics_at >= METRICS_EVERY_S:
+            self._metrics_at = now
+            self._router.refresh_gauges()
+            report["metrics"] = self._router.metrics.render().decode()
+            report["answered"] = self._router.metrics.answered()
+        elif not force and report == self._sent:
+            return
+        self._sent = report
+        self._down = []
+        self._channel.send(report)
+
+    def _canary_samples(self) -> Message | None:
+        split = self._router.dispatcher.canary
+        if split is None or not (split.canary.requests or split.others.requests):
+            return None
+        samples = {"epoch": self._canary_epoch, "canary": _sample(split.canary),
+                   "others": _sample(split.others)}
+        split.canary, split.others = Sample(), Sample()
+        return samples
+
+
+def _sample(sample: Sample) -> Message:
+    return {"requests": sample.requests, "errors": sample.errors,
+            "first_byte_s": sample.first_byte_s}
+
+
+def follower_app(router: Router, follower: Follower) -> Any:
+    """The follower's ASGI app: the router's data plane, and every other request (probes,
+    metrics, admin, refusals) answered by the leader."""
+
+    async def relay(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send, follower)
+            return
+        if scope["type"] != "http":
+            return
+        body, more = bytearray(), True
+        while more:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                return
+            body += event.get("body", b"")
+            more = event.get("more_body", False)
+            if len(body) > MAX_RELAYED_BODY_BYTES:
+                await _answer(send, 413, [], error_body(413, "request body too large"))
+                return
+        try:
+            reply = await follower.relay(scope, bytes(body))
+        except ConnectionError:
+            await _answer(send, 503, [], error_body(503, "the router is shutting down"))
+            return
+        headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply["headers"]]
+        await _answer(send, reply["status"], headers, base64.b64decode(reply["body"]))
+
+    return build_data_plane(router, relay)
+
+
+async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]],
+                  body: bytes) -> None:
+    if not headers:
+        headers = [(b"content-type", b"application/json")]
+    headers = [(n, v) for n, v in headers
+               if n.lower() not in (b"content-length", b"transfer-encoding")]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send, follower: Follower) -> None:
+    """Serve once the first table is here (before it, every request would be a 503)."""
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await follower.has_table.wait()
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,263 @@
+"""The leader's side of the workers: publish the table, fold in what followers report.
+
+Counts are kept as totals where the router already reads them: a replica's
+`in_flight` (and an adapter version's) on the leader is its own requests plus the
+last count each follower reported, applied as a difference, so drains, policies,
+`/admin` and metrics see the whole fleet's traffic with no change of their own.
+A follower's table carries, per replica, the requests in flight *elsewhere* (the
+total less its own), which it adds to its own count the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpserve.router.asgi import Scope
+from dpserve.router.canary import CanarySplit, Sample
+from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
+from dpserve.router.pool import Replica
+from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
+
+log = logging.getLogger("dpserve.router")
+
+TICK_S = 0.02
+"""Longest a follower's view of the counts lags: the table and the reports are sent
+this often when something changed (a state change goes out at once)."""
+SETTLE_TIMEOUT_S = 5.0
+"""Longest a drain waits for a follower to acknowledge it; one that does not (stuck or
+gone) is logged and left out."""
+
+
+@dataclass(eq=False)
+class _Follower:
+    worker: int
+    channel: Channel
+    acked: int = 0
+    """The last table sequence number it applied."""
+    sent: Message | None = None
+    """The last table sent, less its sequence number: unchanged tables are not sent."""
+    sent_seq: int = 0
+    in_flight: dict[str, int] = field(default_factory=dict)
+    adapters_in_flight: dict[str, int] = field(default_factory=dict)
+    movable: dict[str, int] = field(default_factory=dict)
+    metrics: bytes = b""
+    answered: float = 0.0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    answering: set[asyncio.Task[None]] = field(default_factory=set)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Leader:
+    """Keeps every follower's table current and its reports counted. `app` answers the
+    requests followers relay (the router's own app, its auth included)."""
+
+    def __init__(self, router: Any, app: Any) -> None:
+        self._router = router
+        self._pool = router.pool
+        self._app = app
+        self._followers: dict[int, _Follower] = {}
+        self._seq = 0
+        self._canary: CanarySplit | None = None
+        self._canary_epoch = 0
+        self._pool.on_state_change(lambda *_: self._changed())
+        self._pool.on_membership(lambda _: self._changed(), lambda _: self._changed())
+        self._pool.settle = self.settled
+        router.adapters.settle = self.settled
+        router.dispatcher.streams.peers = self
+        router.metrics.others = lambda: [f.metrics for f in self._followers.values()]
+        router.metrics.registry.register(WorkersCollector(self._rows))
+
+    def _changed(self) -> None:
+        """Publish now rather than at the next tick."""
+        for follower in self._followers.values():
+            follower.changed.set()
+
+    @property
+    def followers(self) -> int:
+        return len(self._followers)
+
+    def _rows(self) -> list[WorkerRow]:
+        elsewhere = sum(sum(f.in_flight.values()) for f in self._followers.values())
+        mine = sum(r.in_flight for r in self._pool) + sum(
+            r.in_flight for r in self._pool.leaving()) - elsewhere
+        return [("0", self._router.metrics.answered(), mine)] + [
+            (str(f.worker), f.answered, sum(f.in_flight.values()))
+            for f in sorted(self._followers.values(), key=lambda f: f.worker)]
+
+    def attach(self, worker: int, channel: Channel) -> None:
+        """Serve follower `worker` on `channel` until it goes away (`detach`)."""
+        follower = _Follower(worker, channel)
+        self._followers[worker] = follower
+        follower.tasks = [
+            asyncio.create_task(self._publish(follower), name=f"dpserve-publish-{worker}"),
+            asyncio.create_task(self._read(follower), name=f"dpserve-reports-{worker}"),
+        ]
+
+    async def detach(self, worker: int) -> None:
+        """Forget a follower that is gone: what it had in flight no longer counts."""
+        follower = self._followers.pop(worker, None)
+        if follower is None:
+            return
+        self._apply_counts(follower.in_flight, {}, self._replica)
+        self._apply_counts(follower.adapters_in_flight, {}, self._router.adapters.get)
+        follower.channel.close()
+        current = asyncio.current_task()
+        for task in (*follower.tasks, *follower.answering):
+            if task is not current:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def aclose(self) -> None:
+        for worker in list(self._followers):
+            await self.detach(worker)
+
+    async def settled(self) -> None:
+        """Return once every follower has applied the table as it is now (and reported
+        its counts since), or SETTLE_TIMEOUT_S passed."""
+        self._seq += 1
+        target = self._seq
+        self._changed()
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if all(f.acked >= target for f in self._followers.values()):
+                return
+            await asyncio.sleep(TICK_S / 4)
+        late = [f.worker for f in self._followers.values() if f.acked < target]
+        log.warning("worker(s) %s did not acknowledge the replica table within %.0f s",
+                    late, SETTLE_TIMEOUT_S)
+
+    # LiveStreams' peers: the streams of a drained replica that run in followers.
+    def movable(self, replica_id: str) -> int:
+        return sum(f.movable.get(replica_id, 0) for f in self._followers.values())
+
+    def evict(self, replica_id: str) -> int:
+        for follower in self._followers.values():
+            follower.channel.send({"op": "evict", "replica": replica_id})
+        return self.movable(replica_id)
+
+    def _table(self, follower: _Follower) -> Message:
+        dispatcher = self._router.dispatcher
+        if dispatcher.canary is not self._canary:
+            self._canary = dispatcher.canary
+            self._canary_epoch += 1
+        canary = self._canary
+        mine = follower.in_flight
+        return {
+            "op": "table",
+            "replicas": [replica_row(r, r.in_flight - mine.get(r.id, 0)) for r in self._pool],
+            "canary": None if canary is None else {
+                "replica": canary.replica_id, "weight": canary.weight_pct,
+                "epoch": self._canary_epoch},
+            "adapters": adapter_table(self._router.adapters),
+        }
+
+    async def _publish(self, follower: _Follower) -> None:
+        while True:
+            table = self._table(follower)
+            if table != follower.sent or follower.sent_seq < self._seq:
+                follower.sent, follower.sent_seq = table, self._seq
+                follower.channel.send({**table, "seq": self._seq})
+                await follower.channel.drain()
+            follower.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(follower.changed.wait(), TICK_S)
+
+    async def _read(self, follower: _Follower) -> None:
+        while (message := await follower.channel.recv()) is not None:
+            op = message.get("op")
+            if op == "report":
+                self._report(follower, message)
+            elif op == "http":
+                task = asyncio.create_task(self._answer(follower, message),
+                                           name=f"dpserve-relayed-{follower.worker}")
+                follower.answering.add(task)
+                task.add_done_callback(follower.answering.discard)
+        await self.detach(follower.worker)
+
+    def _report(self, follower: _Follower, report: Message) -> None:
+        follower.acked = max(follower.acked, report["seq"])
+        counts = report["in_flight"]
+        self._apply_counts(follower.in_flight, counts, self._replica)
+        follower.in_flight = counts
+        adapters = report["adapters"]
+        self._apply_counts(follower.adapters_in_flight, adapters, self._router.adapters.get)
+        follower.adapters_in_flight = adapters
+        follower.movable = report["movable"]
+        if "metrics" in report:
+            follower.metrics = report["metrics"].encode()
+            follower.answered = report["answered"]
+        for replica_id, reason in report["down"]:
+            replica = self._pool.get(replica_id)
+            if replica is not None:
+                self._pool.mark_down(replica, reason)
+        canary = report["canary"]
+        split = self._router.dispatcher.canary
+        if canary is not None and split is not None and canary["epoch"] == self._canary_epoch:
+            _add(split.canary, canary["canary"])
+            _add(split.others, canary["others"])
+
+    @staticmethod
+    def _apply_counts(old: dict[str, int], new: dict[str, int], find: Any) -> None:
+        for key in old.keys() | new.keys():
+            delta = new.get(key, 0) - old.get(key, 0)
+            if delta and (holder := find(key)) is not None:
+                holder.in_flight += delta
+
+    def _replica(self, replica_id: str) -> Replica | None:
+        return self._pool.get(replica_id) or next(
+            (r for r in self._pool.leaving() if r.id == replica_id), None)
+
+    async def _answer(self, follower: _Follower, message: Message) -> None:
+        status, headers, body = await answer(self._app, message)
+        follower.channel.send({"op": "reply", "id": message["id"], "status": status,
+                               "headers": headers, "body": base64.b64encode(body).decode()})
+
+
+def _add(sample: Sample, reported: Message) -> None:
+    sample.requests += reported["requests"]
+    sample.errors += reported["errors"]
+    sample.first_byte_s.extend(reported["first_byte_s"])
+
+
+async def answer(app: Any, message: Message) -> tuple[int, list[list[str]], bytes]:
+    """Run a relayed request through `app`: its status, headers and whole body."""
+    s = message["scope"]
+    scope: Scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": s["http_version"],
+        "method": s["method"], "scheme": s["scheme"], "path": s["path"],
+        "raw_path": s["path"].encode(), "query_string": s["query_string"].encode("latin-1"),
+        "root_path": "", "headers": [(n.encode("latin-1"), v.encode("latin-1"))
+                                     for n, v in s["headers"]],
+        "client": tuple(s["client"]) if s["client"] else None,
+        "server": tuple(s["server"]) if s["server"] else None, "state": {},
+    }
+    body = base64.b64decode(message["body"])
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # the client stays: nothing more to say
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    status, headers, parts = 500, [], []
+
+    async def send(event: dict[str, Any]) -> None:
+        nonlocal status, headers
+        if event["type"] == "http.response.start":
+            status = event["status"]
+            headers = [[n.decode("latin-1"), v.decode("latin-1")]
+                       for n, v in event.get("headers", [])]
+        elif event["type"] == "http.response.body":
+            parts.append(event.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, headers, b"".join(parts)

@@ -1,0 +1,133 @@
+"""`dpserve router --workers 2`: two processes on one port, against FakeReplicas (fakes:
+the cases need a replica that streams slowly on cue; tests/integration runs vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.procs import process_alive
+from tests.waiting import wait_for
+
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+
+
+@contextlib.asynccontextmanager
+async def router_with_workers(*urls: str, workers: int = 2) -> AsyncIterator[
+        tuple[str, subprocess.Popen[str]]]:
+    args = [sys.executable, "-m", "dpserve", "router", "--port", "0", "--workers",
+            str(workers), "--health-interval-s", "0.2"]
+    for url in urls:
+        args += ["--replica", url]
+    proc = subprocess.Popen(  # noqa: ASYNC220 (a moment; the fixture's process is the router)
+        args, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while url is None and time.monotonic() < deadline:
+            line = await asyncio.to_thread(proc.stderr.readline)
+            assert line, "the router exited before it listened"
+            found = re.search(r"router on (http://\S+) ", line)
+            url = found.group(1) if found else None
+        assert url is not None
+        asyncio.get_running_loop().run_in_executor(None, proc.stderr.read)  # never fills
+        async with httpx.AsyncClient() as client:
+            await wait_for(lambda: _ready(client, url), "both replicas ready", within_s=30)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+async def _ready(client: httpx.AsyncClient, url: str) -> bool:
+    answer = await client.get(url + "/ready")
+    return answer.status_code == 200 and answer.json()["replicas_ready"] == 2
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def _fresh_connection_posts(url: str, n: int) -> list[httpx.Response]:
+    """`n` requests, each on its own connection (the kernel spreads connections, not
+    requests, among the workers)."""
+    async def one() -> httpx.Response:
+        async with httpx.AsyncClient() as client:
+            return await client.post(url + "/v1/completions", json=BODY, timeout=30)
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+async def test_two_workers_share_the_port_and_the_metrics_count_every_request(
+        fake_replicas):
+    r0, r1 = await fake_replicas("r0"), await fake_replicas("r1")
+    async with router_with_workers(r0.url, r1.url) as (url, proc):
+        answers = await _fresh_connection_posts(url, 60)
+        assert [a.status_code for a in answers] == [200] * 60
+        (follower,) = _children(proc.pid)
+
+        async def counted() -> bool:
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(url + "/metrics")).text
+            return _metric(text, "dpserve_requests_total", route="/v1/completions",
+                           status_class="2xx") == 60
+        # followers report their metrics each second
+        await wait_for(counted, "every request counted", within_s=10)
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics")).text
+        served = {w: _metric(text, "dpserve_worker_requests_total", worker=w)
+                  for w in ("0", "1")}
+    assert served["0"] > 0 and served["1"] > 0, served  # both processes took connections
+    assert sum(served.values()) == 60
+    await wait_for(lambda: not process_alive(follower), "the follower to exit")  # no orphan
+
+
+async def test_a_drain_waits_for_the_requests_every_worker_has_on_the_replica(
+        fake_replicas):
+    slow = await fake_replicas("r0", chunks=20, chunk_delay_s=0.1)  # 2 s streams
+    other = await fake_replicas("r1")
+    async with router_with_workers(slow.url, other.url) as (url, _):
+        async def stream(i: int) -> int:
+            async with httpx.AsyncClient() as client, client.stream(
+                    "POST", url + "/v1/completions",
+                    json={**BODY, "prompt": f"{i} hello", "stream": True},
+                    timeout=30) as answer:
+                async for _ in answer.aiter_bytes():
+                    pass
+                return answer.status_code
+        streams = [asyncio.create_task(stream(i)) for i in range(24)]
+        await wait_for(lambda: slow.open_streams >= 4, "streams on r0")
+        on_slow = slow.open_streams
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics")).text
+            assert _metric(text, "dpserve_replica_in_flight_requests", replica="r0") >= on_slow
+            drained = await client.post(url + "/admin/replicas/r0/drain",
+                                        json={"wait_s": 20}, timeout=30)
+            open_at_answer = slow.open_streams
+            after = await _fresh_connection_posts(url, 20)
+        assert all(code == 200 for code in await asyncio.gather(*streams))
+    assert drained.status_code == 200 and drained.json()["drained"] is True
+    assert open_at_answer == 0  # the streams of both workers had ended
+    assert {a.headers["x-dpserve-replica"] for a in after} == {"r1"}  # every worker drained
