@@ -9,9 +9,11 @@ from typing import Any, NamedTuple
 
 from _overhead_measure import Env, Stats, TargetResult
 
-TARGETS = ("direct", "dpserve", "dpserve-baseline", "dpserve-no-migration", "vllm-router")
+TARGETS = ("direct", "dpserve", "dpserve-baseline", "dpserve-no-migration", "dpserve-workers",
+           "vllm-router")
 """`dpserve-no-migration` (`--migration-off-too`): dpserve with `--migration-limit 0`;
-`dpserve-baseline` (`--baseline-ref REF`): dpserve as committed at REF, for before/after."""
+`dpserve-baseline` (`--baseline-ref REF`): dpserve as committed at REF, for before/after;
+`dpserve-workers` (`--workers-too N`): dpserve with `--workers N` (use with `--no-pin`)."""
 TARGET_MIGRATION_CPU_RATIO = 1.15
 """Router CPU per streamed request with stream migration on (token ids tracked) over
 off, at most."""

@@ -139,6 +139,7 @@ def verdicts(rows: list[RunRow]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r.workload == workload and r.load is not None]
         out.append(_ttft_verdict(workload, mine))
         out.append(_hit_verdict(workload, mine))
+        out.append(_workers_verdict(workload, mine))
     for v in out:
         print(f"{v['verdict']:<4}  {v['workload']}: {v['text']}")
     return out
@@ -175,6 +176,22 @@ def _hit_verdict(workload: str, rows: list[RunRow]) -> dict[str, Any]:
     ok = ours.hit_rate >= theirs.hit_rate
     return _verdict("target 2", workload, "PASS" if ok else "FAIL", target, text,
                     ours=ours.hit_rate, best=theirs.hit_rate)
+
+
+def _workers_verdict(workload: str, rows: list[RunRow]) -> dict[str, Any]:
+    target = "dpserve default p99 TTFT with --workers 2 within 5% of 1 worker"
+    one = next((r for r in rows if r.router == "dpserve" and r.policy == DEFAULT_POLICY), None)
+    two = next((r for r in rows if r.router == "dpserve-2w" and r.policy == DEFAULT_POLICY),
+               None)
+    if one is None or two is None or one.ttft_p99 is None or two.ttft_p99 is None:
+        return _verdict("target 3", workload, "n/a", target, "not measured (both needed)")
+    ratio = two.ttft_p99 / one.ttft_p99
+    hits = ("" if one.hit_rate is None or two.hit_rate is None else
+            f"; hit rate {100 * two.hit_rate:.1f}% vs {100 * one.hit_rate:.1f}%")
+    return _verdict("target 3", workload, "PASS" if ratio <= 1.05 else "FAIL", target,
+                    f"2 workers p99 TTFT {two.ttft_p99:,.0f} ms vs 1 worker "
+                    f"{one.ttft_p99:,.0f} ms ({ratio:.2f}x){hits}",
+                    ours=two.ttft_p99, best=one.ttft_p99)
 
 
 def _verdict(name: str, workload: str, verdict: str, target: str, text: str,

@@ -130,6 +130,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--migration-off-too", action="store_true",
         help="also measure dpserve with stream migration off (--migration-limit 0): what "
              "tracking every stream's token ids costs")
+    add("--workers-too", type=int, metavar="N",
+        help="also measure dpserve with --workers N (column dpserve-workers); with --no-pin "
+             "every router may use every core")
     add("--vllm-router-spec", default=VLLM_ROUTER_SPEC, help="pip spec installed when absent")
     add("--vllm-router-policy", default="round_robin", help="vllm-router --policy")
     add("--router-cmd", default=DEFAULT_ROUTER_CMD,
@@ -147,6 +150,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, metavar="OUT", help="also write every number here as JSON")
     add("--keep-logs", action="store_true", help="keep the temp dir with logs and configs")
     args = p.parse_args(argv)
+    if args.workers_too is not None and args.workers_too < 2:
+        p.error("--workers-too must be at least 2")
     for name in ("requests", "concurrency", "upstreams", "chunks", "paced_requests", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -265,6 +270,8 @@ def router_starter(
             argv = router_argv(args.router_cmd, upstreams, port, cwd)
             if name == "dpserve-no-migration":
                 argv += ["--migration-limit", "0"]
+            if name == "dpserve-workers":
+                argv += ["--workers", str(args.workers_too)]
             ready = args.ready_path
         else:
             assert env.vllm_router is not None
@@ -321,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                      services))
         names = [n for n in TARGETS if (n != "vllm-router" or env.vllm_router is not None)
                  and (n != "dpserve-no-migration" or args.migration_off_too)
+                 and (n != "dpserve-workers" or args.workers_too)
                  and (n != "dpserve-baseline" or args.baseline_ref)]
         rounds: dict[str, list[TargetResult]] = {n: [] for n in names}
         for i in range(args.rounds):

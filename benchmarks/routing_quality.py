@@ -60,11 +60,14 @@ from _services import HOST, Service, free_ports, http_call, start_service, stop_
 from _tools import VLLM_ROUTER_SPEC, ensure_tool, vllm_router_version
 from router_overhead import export_ref, vllm_router_argv
 
-from dpserve.config import POLICIES
+from dpserve.config import POLICIES, RouterConfig
 
 DPSERVE_POLICIES = POLICIES
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
+WORKERS_ROUTER = "dpserve-2w"
+"""dpserve with `--workers 2` (the data plane in two processes), default policy only."""
 ROUTERS = tuple([f"dpserve:{p}" for p in DPSERVE_POLICIES]
+                + [f"{WORKERS_ROUTER}:{RouterConfig().policy}"]
                 + [f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES])
 RATE_PER_REPLICA = {"uniform": 2.75, "heavy-tail": 3.0, "tenants": 1.25}
 """Default offered load, requests/s per replica: 75-85% of the rate where a cache-blind
@@ -211,9 +214,10 @@ class Bench:
 
     def _start_router(self, kind: str, policy: str, urls: list[str], tag: str) -> str:
         port, metrics_port = free_ports(2)
-        if kind == "dpserve":
+        if kind.startswith("dpserve"):
             argv = [sys.executable, "-m", "dpserve", "router", "--host", HOST, "--port",
-                    str(port), "--policy", policy, "--log-level", "warning"]
+                    str(port), "--policy", policy, "--log-level", "warning",
+                    "--workers", "2" if kind == WORKERS_ROUTER else "1"]
             argv += [a for u in urls for a in ("--replica", u)]
             if self.args.dpserve_config:
                 argv += ["--config", str(self.args.dpserve_config)]
@@ -222,7 +226,7 @@ class Bench:
                 raise RuntimeError("vllm-router is not installed")
             argv = vllm_router_argv(self.vllm_router, urls, port, metrics_port, policy)
         service = start_service(f"router-{tag}", argv, self.work_dir,
-                                cwd=self.src if kind == "dpserve" else None)
+                                cwd=self.src if kind.startswith("dpserve") else None)
         self.services.append(service)
         url = f"http://{HOST}:{port}"
         _wait_ready(service, url, kind, len(urls))
@@ -257,7 +261,7 @@ def _wait_ready(service: Service, url: str, kind: str, replicas: int) -> None:
     last = "no answer"
     while time.monotonic() < deadline:
         service.check_alive("start-up")
-        if kind == "dpserve":
+        if kind.startswith("dpserve"):
             status, body = http_call(f"{url}/admin/replicas", timeout=2.0)
             if status == 200:
                 states = [r.get("state") for r in _replica_list(body)]

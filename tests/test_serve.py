@@ -24,6 +24,7 @@ from dpserve.rollout.deployed import Deployed, Weights
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.server import PortInUseError, bind_socket, listen, uvicorn_server
 from dpserve.serve import announce_ready, compose
+from tests.procs import process_alive
 from tests.rollout.checkpoints import write_adapter
 
 
@@ -133,6 +134,44 @@ def test_serve_says_where_the_router_listens_and_when_every_replica_is_ready(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_with_two_workers_answers_on_one_port_and_stops_them_all(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_WITH_FAKE_ENGINES, FAKE_ENGINE, "serve",
+         "--model", str(model), "--served-model-name", "fake-model", "--replicas", "2",
+         "--port", "0", "--workers", "2", "--run-dir", str(tmp_path / "runs")],
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = _lines_until(proc, re.compile(r"2/2 replicas ready after"), within_s=120)
+        (where,) = [ln for ln in lines if "router on http://" in ln]  # said once, by the leader
+        url = where.split("router on ")[1].split()[0]
+        followers = [pid for pid in _children(proc.pid)
+                     if "dpserve.router.workers" in _cmdline(pid)]
+        assert len(followers) == 1
+        for _ in range(20):  # a connection each: some reach the follower
+            with httpx.Client() as client:
+                assert client.get(url + "/v1/models", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert not process_alive(followers[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
 
 
 def _lines_until(proc: subprocess.Popen[str], pattern: re.Pattern[str], *,

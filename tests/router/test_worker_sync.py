@@ -164,3 +164,20 @@ async def test_a_relayed_admin_request_is_checked_as_the_leaders_own():
         local, _, body = await answer(app, relayed("127.0.0.1"))
     assert remote == 403  # no admin key: loopback clients only, and this one is not
     assert local == 200 and b"r0" in body
+
+
+async def test_prefix_homes_and_recent_work_are_shared_between_workers():
+    async with leader_and_follower() as (lead, _, follow, _):
+        tenant = RequestInfo(route="/v1/completions", prefix="You are the billing assistant.")
+        with await follow.dispatcher.choose(REQUEST, ()) as first:  # no prefix: spread
+            pass
+        with await follow.dispatcher.choose(tenant, ()) as home:  # the least-worked replica
+            pass
+        assert first.replica.id != home.replica.id
+
+        async def leader_picks_the_home() -> bool:
+            with await lead.dispatcher.choose(tenant, ()) as slot:
+                return slot.replica.id == home.replica.id
+        # Alone, the leader would give the key a home of its own: the replica it sent
+        # least to, r0 (the follower's first request is work it cannot see).
+        await wait_for(leader_picks_the_home, "the leader to learn the follower's home")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from dpserve.config import POLICIES
 from dpserve.router.policies.adapter_affinity import ADAPTER_LOAD_FACTOR, AdapterAffinity
-from dpserve.router.policies.base import Policy, RequestInfo
+from dpserve.router.policies.base import Journal, Policy, RequestInfo, Shared
 from dpserve.router.policies.consistent_hash import DEFAULT_LOAD_FACTOR
 from dpserve.router.policies.engine_load import EngineLoadPolicy
 from dpserve.router.policies.keys import DEFAULT_PREFIX_CHARS
@@ -26,17 +26,27 @@ __all__ = [
     "POLICY_NAMES",
     "AdapterAffinity",
     "EngineLoadPolicy",
+    "Journal",
     "LeastOutstanding",
     "Policy",
     "PrefixAffinity",
     "RequestInfo",
     "RoundRobin",
     "SessionAffinity",
+    "Shared",
     "make_policy",
+    "shared_memory",
 ]
 
 POLICY_NAMES = POLICIES
 """Every policy's configuration name (owned by dpserve.config, which validates it)."""
+
+
+def shared_memory(policy: Policy) -> Shared | None:
+    """The part of `policy` whose memory data-plane workers share, if it has one (its
+    inner policy, behind adapter affinity)."""
+    inner = policy.inner if isinstance(policy, AdapterAffinity) else policy
+    return inner if isinstance(inner, PrefixAffinity) else None
 
 
 def make_policy(

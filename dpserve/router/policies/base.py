@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from dpserve.router.pool import Replica
 
@@ -34,3 +34,19 @@ class Policy(Protocol):
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
         """Pick one of `candidates` (all able to serve), or None if there are none."""
         ...
+
+
+Journal = dict[str, Any]
+"""What a policy with memory learned lately, for the router's other workers:
+`{"work": {replica id: requests sent}, "homes": [(key, replica id), ...]}`."""
+
+
+class Shared(Protocol):
+    """A policy whose memory the data-plane workers share (`dpserve.router.workers`)."""
+
+    on_journal: Callable[[], None] | None
+    """Called when the journal gets its first entry since it was last taken."""
+
+    def journal(self) -> Journal: ...
+
+    def absorb(self, journal: Journal) -> None: ...

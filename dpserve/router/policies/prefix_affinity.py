@@ -4,7 +4,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from dpserve.router.policies.base import RequestInfo
+from dpserve.router.policies.base import Journal, RequestInfo
 from dpserve.router.policies.consistent_hash import stable_hash
 from dpserve.router.policies.keys import DEFAULT_PREFIX_CHARS
 from dpserve.router.policies.recent_work import DEFAULT_HALF_LIFE_S, RecentWork, under_cap
@@ -48,6 +48,8 @@ class PrefixAffinity:
     89% and p99 TTFT from 970 ms to ~580 ms, and on prompts with nothing shared
     it matches round robin (benchmarks/README.md). The cost: the table is this
     router's own, so several router processes may each give a key its own home.
+    The data-plane workers of one router share it (`journal`, `absorb`): each tells
+    the others, every few milliseconds, the homes it gave and the work it sent.
     """
 
     name = "prefix-affinity"
@@ -69,6 +71,11 @@ class PrefixAffinity:
         self._homes: OrderedDict[int, list[str]] = OrderedDict()
         """Key hash -> ids of the replicas sent the key, least recently used key first."""
         self._spread = RecentWork(half_life_s=half_life_s, clock=clock)
+        self._sent: dict[str, int] | None = None
+        """Since the last `journal`: requests sent per replica (None: nobody asks)."""
+        self._new_homes: list[tuple[int, str]] = []
+        self.on_journal: Callable[[], None] | None = None
+        """Called when the journal gets its first entry since it was last taken."""
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
         if not candidates:
@@ -91,8 +98,35 @@ class PrefixAffinity:
         chosen = self._spread.least(open_)
         if chosen.id not in homes:
             homes.append(chosen.id)
+            if self._sent is not None:
+                self._new_homes.append((key, chosen.id))
         return self._send(chosen)
 
     def _send(self, replica: Replica) -> Replica:
         self._spread.charge(replica)
+        sent = self._sent
+        if sent is not None:
+            if not sent and self.on_journal is not None:
+                self.on_journal()
+            sent[replica.id] = sent.get(replica.id, 0) + 1
         return replica
+
+    def journal(self) -> Journal:
+        """What this policy learned since the last call (the first call starts keeping
+        it): the work it sent per replica and the homes it gave, for other workers."""
+        sent, self._sent = self._sent or {}, {}
+        homes, self._new_homes = self._new_homes, []
+        return {"work": sent, "homes": homes}
+
+    def absorb(self, journal: Journal) -> None:
+        """Learn what another worker sent and the homes it gave."""
+        for replica_id, units in journal["work"].items():
+            self._spread.add(replica_id, units)
+        for key, replica_id in journal["homes"]:
+            homes = self._homes.get(key)
+            if homes is None:
+                homes = self._homes[key] = []
+                if len(self._homes) > self.max_keys:
+                    self._homes.popitem(last=False)
+            if replica_id not in homes:
+                homes.append(replica_id)

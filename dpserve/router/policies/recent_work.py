@@ -79,9 +79,14 @@ class RecentWork:
 
     def charge(self, replica: Replica, units: float = 1.0) -> None:
         """Count `units` of new work sent to `replica`, now."""
-        now = self._clock()
-        self._sent[replica.id] = (self.work(replica, now) + units, now)
+        self.add(replica.id, units)
         self._last = _order(replica)
+
+    def add(self, replica_id: str, units: float) -> None:
+        """Count `units` of work sent to `replica_id` by someone else (another worker)."""
+        now = self._clock()
+        value, at = self._sent.get(replica_id, (0.0, now))
+        self._sent[replica_id] = (value * math.exp(-self._rate * (now - at)) + units, now)
         if len(self._sent) > MAX_TRACKED:
             self._forget(now)
 

@@ -22,6 +22,7 @@ from dpserve.router.app import Router, build_data_plane
 from dpserve.router.asgi import Receive, Scope, Send
 from dpserve.router.canary import CanarySplit, Sample
 from dpserve.router.errors import error_body
+from dpserve.router.policies import shared_memory
 from dpserve.router.pool import Replica, ReplicaState
 from dpserve.router.workers.leader import TICK_S
 from dpserve.router.workers.wire import (
@@ -55,6 +56,10 @@ class Follower:
         self._ids = itertools.count()
         self._sent: Message | None = None
         self._metrics_at = 0.0
+        self._memory = shared_memory(router.policy)
+        if self._memory is not None:
+            self._memory.journal()  # start keeping one
+            self._memory.on_journal = self._learned_here
         self.has_table = asyncio.Event()
         """Set once the first table is applied: the follower may route."""
         self.closed = asyncio.Event()
@@ -70,6 +75,9 @@ class Follower:
                 if op == "table":
                     self._apply(message)
                     self._report(force=True)
+                elif op == "learn":
+                    if self._memory is not None:
+                        self._memory.absorb(message)
                 elif op == "evict":
                     self._router.dispatcher.streams.evict(message["replica"])
                 elif op == "reply":
@@ -80,6 +88,7 @@ class Follower:
                     break
         finally:
             self.closed.set()
+            self._channel.close()
             reporting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporting
@@ -141,6 +150,16 @@ class Follower:
             apply_adapter_table(self._router.adapters, table["adapters"])
         self._seq = table["seq"]
         self.has_table.set()
+
+    def _learned_here(self) -> None:
+        asyncio.get_running_loop().call_soon(self._send_learned)
+
+    def _send_learned(self) -> None:
+        """What this worker's routing learned this turn, to the leader (who passes it on)."""
+        assert self._memory is not None
+        journal = self._memory.journal()
+        if journal["work"] or journal["homes"]:
+            self._channel.send({"op": "learn", **journal})
 
     def _state_changed(self, replica: Replica, old: ReplicaState, new: ReplicaState) -> None:
         if not self._applying and new is ReplicaState.DOWN:

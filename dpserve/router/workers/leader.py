@@ -21,6 +21,7 @@ from typing import Any
 from dpserve.router.asgi import Scope
 from dpserve.router.canary import CanarySplit, Sample
 from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
+from dpserve.router.policies import Journal, shared_memory
 from dpserve.router.pool import Replica
 from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
 
@@ -63,6 +64,10 @@ class Leader:
         self._app = app
         self._followers: dict[int, _Follower] = {}
         self._seq = 0
+        self._memory = shared_memory(router.policy)
+        if self._memory is not None:
+            self._memory.journal()  # start keeping one
+            self._memory.on_journal = self._learned_here
         self._canary: CanarySplit | None = None
         self._canary_epoch = 0
         self._pool.on_state_change(lambda *_: self._changed())
@@ -158,6 +163,26 @@ class Leader:
             "adapters": adapter_table(self._router.adapters),
         }
 
+    def _learned_here(self) -> None:
+        """The leader's routing memory changed: tell the followers at the end of this
+        turn of the loop (what else this turn routes goes in the same message)."""
+        asyncio.get_running_loop().call_soon(self._send_learned)
+
+    def _send_learned(self) -> None:
+        assert self._memory is not None
+        self._share(self._memory.journal(), None)
+
+    def _share(self, journal: Journal, source: _Follower | None) -> None:
+        """Pass what one worker's routing learned to every other follower, at once: two
+        workers that both route before hearing of the other's choice may pick the
+        same replica, so the sooner the better (a tick's 20 ms, at 22 req/s, made
+        that one request in five and p99 TTFT 16% worse)."""
+        if journal["work"] or journal["homes"]:
+            message = {"op": "learn", **journal}
+            for follower in self._followers.values():
+                if follower is not source:
+                    follower.channel.send(message)
+
     async def _publish(self, follower: _Follower) -> None:
         while True:
             table = self._table(follower)
@@ -174,6 +199,10 @@ class Leader:
             op = message.get("op")
             if op == "report":
                 self._report(follower, message)
+            elif op == "learn":
+                if self._memory is not None:
+                    self._memory.absorb(message)
+                    self._share(message, follower)
             elif op == "http":
                 task = asyncio.create_task(self._answer(follower, message),
                                            name=f"dpserve-relayed-{follower.worker}")
