@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,22 +20,26 @@ from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.workers.follower import Follower
 from dpserve.router.workers.leader import Leader, answer
 from dpserve.router.workers.wire import Channel
+from dpserve.router.workers.work_table import WorkTable
 from tests.waiting import wait_for
 
 REQUEST = RequestInfo(route="/v1/completions")
 
 
 @contextlib.asynccontextmanager
-async def leader_and_follower() -> AsyncIterator[tuple[Router, Leader, Router, Follower]]:
+async def leader_and_follower(replicas: int = 2, *, shared_work: bool = False
+                              ) -> AsyncIterator[tuple[Router, Leader, Router, Follower]]:
     pool = ReplicaPool([Replica(id=f"r{i}", url=f"http://127.0.0.1:{9 + i}", weight_version="v1")
-                        for i in range(2)])
+                        for i in range(replicas)])
     for replica in pool:
         pool.set_state(replica, ReplicaState.READY)
+    table = WorkTable.create(2) if shared_work else None
     lead = Router(pool, RouterConfig())
-    leader = Leader(lead, build_app(lead))
+    leader = Leader(lead, build_app(lead), table)
     follow = Router(ReplicaPool([]), RouterConfig())
     ours, theirs = socket.socketpair()
-    follower = Follower(follow, await Channel.open(theirs))
+    follower = Follower(follow, await Channel.open(theirs),
+                        WorkTable(table.fd, workers=2, me=1) if table is not None else None)
     leader.attach(1, await Channel.open(ours))
     following = asyncio.create_task(follower.run())
     await wait_for(follower.has_table.is_set, "the first table")
@@ -47,6 +52,8 @@ async def leader_and_follower() -> AsyncIterator[tuple[Router, Leader, Router, F
             await following
         await lead.aclose()
         await follow.aclose()
+        if table is not None:
+            os.close(table.fd)
 
 
 def _replica(router: Router, replica_id: str) -> Replica:
@@ -181,3 +188,14 @@ async def test_prefix_homes_and_recent_work_are_shared_between_workers():
         # Alone, the leader would give the key a home of its own: the replica it sent
         # least to, r0 (the follower's first request is work it cannot see).
         await wait_for(leader_picks_the_home, "the leader to learn the follower's home")
+
+
+async def test_with_the_shared_work_table_workers_spread_as_one_process_would():
+    async with leader_and_follower(8, shared_work=True) as (lead, _, follow, _):
+        picks = []
+        for i in range(32):  # no await between picks: no message could carry them
+            router = (lead, follow)[i % 3 == 0]
+            with await router.dispatcher.choose(
+                    RequestInfo(route="/v1/completions", prefix=f"prompt {i}"), ()) as slot:
+                picks.append(slot.replica.id)
+    assert all(picks[i] not in picks[i - 7:i] for i in range(7, 32)), picks  # round robin

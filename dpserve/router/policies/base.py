@@ -47,6 +47,11 @@ class Shared(Protocol):
     on_journal: Callable[[], None] | None
     """Called when the journal gets its first entry since it was last taken."""
 
+    half_life_s: float
+    clock: Callable[[], float]
+
     def journal(self) -> Journal: ...
+
+    def share_work(self, spread: Any) -> None: ...
 
     def absorb(self, journal: Journal) -> None: ...

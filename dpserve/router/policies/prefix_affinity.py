@@ -70,7 +70,10 @@ class PrefixAffinity:
         self.max_keys = max_keys
         self._homes: OrderedDict[int, list[str]] = OrderedDict()
         """Key hash -> ids of the replicas sent the key, least recently used key first."""
+        self.half_life_s = half_life_s
+        self.clock = clock
         self._spread = RecentWork(half_life_s=half_life_s, clock=clock)
+        self._work_shared = False
         self._sent: dict[str, int] | None = None
         """Since the last `journal`: requests sent per replica (None: nobody asks)."""
         self._new_homes: list[tuple[int, str]] = []
@@ -99,17 +102,28 @@ class PrefixAffinity:
         if chosen.id not in homes:
             homes.append(chosen.id)
             if self._sent is not None:
+                self._learned()
                 self._new_homes.append((key, chosen.id))
         return self._send(chosen)
 
     def _send(self, replica: Replica) -> Replica:
         self._spread.charge(replica)
         sent = self._sent
-        if sent is not None:
-            if not sent and self.on_journal is not None:
-                self.on_journal()
+        if sent is not None and not self._work_shared:
+            self._learned()
             sent[replica.id] = sent.get(replica.id, 0) + 1
         return replica
+
+    def _learned(self) -> None:
+        if not self._sent and not self._new_homes and self.on_journal is not None:
+            self.on_journal()
+
+    def share_work(self, spread: RecentWork) -> None:
+        """Count recent work in `spread`, which every worker reads and charges (shared
+        memory, `dpserve.router.workers.work_table`); the journal then carries only
+        the homes."""
+        self._spread = spread
+        self._work_shared = True
 
     def journal(self) -> Journal:
         """What this policy learned since the last call (the first call starts keeping

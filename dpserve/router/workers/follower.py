@@ -32,6 +32,7 @@ from dpserve.router.workers.wire import (
     apply_row,
     new_replica,
 )
+from dpserve.router.workers.work_table import SharedRecentWork, WorkTable
 
 log = logging.getLogger("dpserve.router")
 
@@ -42,7 +43,8 @@ MAX_RELAYED_BODY_BYTES = 1024 * 1024
 
 
 class Follower:
-    def __init__(self, router: Router, channel: Channel) -> None:
+    def __init__(self, router: Router, channel: Channel,
+                 work: WorkTable | None = None) -> None:
         self._router = router
         self._pool = router.pool
         self._channel = channel
@@ -57,9 +59,14 @@ class Follower:
         self._sent: Message | None = None
         self._metrics_at = 0.0
         self._memory = shared_memory(router.policy)
+        self._slots: dict[str, int] = {}
         if self._memory is not None:
             self._memory.journal()  # start keeping one
             self._memory.on_journal = self._learned_here
+            if work is not None:
+                self._memory.share_work(SharedRecentWork(
+                    work, self._slots, half_life_s=self._memory.half_life_s,
+                    clock=self._memory.clock))
         self.has_table = asyncio.Event()
         """Set once the first table is applied: the follower may route."""
         self.closed = asyncio.Event()
@@ -132,6 +139,8 @@ class Follower:
                     found = new_replica(row)
                     self._pool.add(found)
                 replica = found
+                if row["slot"] is not None:
+                    self._slots[replica_id] = row["slot"]
                 state = apply_row(replica, row)
                 replica.in_flight += row["elsewhere"] - self._elsewhere.get(replica_id, 0)
                 self._elsewhere[replica_id] = row["elsewhere"]

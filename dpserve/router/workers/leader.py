@@ -24,6 +24,7 @@ from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
 from dpserve.router.policies import Journal, shared_memory
 from dpserve.router.pool import Replica
 from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
+from dpserve.router.workers.work_table import MAX_SLOTS, SharedRecentWork, WorkTable
 
 log = logging.getLogger("dpserve.router")
 
@@ -58,16 +59,24 @@ class Leader:
     """Keeps every follower's table current and its reports counted. `app` answers the
     requests followers relay (the router's own app, its auth included)."""
 
-    def __init__(self, router: Any, app: Any) -> None:
+    def __init__(self, router: Any, app: Any, work: WorkTable | None = None) -> None:
         self._router = router
         self._pool = router.pool
         self._app = app
         self._followers: dict[int, _Follower] = {}
         self._seq = 0
         self._memory = shared_memory(router.policy)
+        self._slots: dict[str, int] = {}
+        """Replica id -> its cell in the shared work table, numbered here."""
+        for replica in self._pool:
+            self._slot(replica)
         if self._memory is not None:
             self._memory.journal()  # start keeping one
             self._memory.on_journal = self._learned_here
+            if work is not None:
+                self._memory.share_work(SharedRecentWork(
+                    work, self._slots, half_life_s=self._memory.half_life_s,
+                    clock=self._memory.clock))
         self._canary: CanarySplit | None = None
         self._canary_epoch = 0
         self._pool.on_state_change(lambda *_: self._changed())
@@ -156,7 +165,8 @@ class Leader:
         mine = follower.in_flight
         return {
             "op": "table",
-            "replicas": [replica_row(r, r.in_flight - mine.get(r.id, 0)) for r in self._pool],
+            "replicas": [replica_row(r, r.in_flight - mine.get(r.id, 0), self._slot(r))
+                         for r in self._pool],
             "canary": None if canary is None else {
                 "replica": canary.replica_id, "weight": canary.weight_pct,
                 "epoch": self._canary_epoch},
@@ -238,6 +248,12 @@ class Leader:
             delta = new.get(key, 0) - old.get(key, 0)
             if delta and (holder := find(key)) is not None:
                 holder.in_flight += delta
+
+    def _slot(self, replica: Replica) -> int | None:
+        slot = self._slots.get(replica.id)
+        if slot is None and len(self._slots) < MAX_SLOTS:
+            slot = self._slots[replica.id] = len(self._slots)
+        return slot
 
     def _replica(self, replica_id: str) -> Replica | None:
         return self._pool.get(replica_id) or next(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from dpserve.router.server import bind_socket, uvicorn_server
 from dpserve.router.workers.follower import Follower, follower_app
 from dpserve.router.workers.leader import Leader
 from dpserve.router.workers.wire import Channel, config_from, config_message
+from dpserve.router.workers.work_table import WorkTable
 
 log = logging.getLogger("dpserve.serve")
 
@@ -37,8 +39,10 @@ STOP_MARGIN_S = 5.0
 class Workers:
     """The leader's followers, worker 1 to `count - 1` (the leader is worker 0)."""
 
-    def __init__(self, leader: Leader, config: RouterConfig, port: int, count: int) -> None:
+    def __init__(self, leader: Leader, config: RouterConfig, port: int, count: int,
+                 work: WorkTable | None = None) -> None:
         self.leader = leader
+        self._work = work
         self._config = config
         self._port = port
         self._count = count
@@ -75,18 +79,25 @@ class Workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.leader.aclose()
+        if self._work is not None:
+            self._work.close()
+            os.close(self._work.fd)
+            self._work = None
 
     async def _keep(self, worker: int) -> None:
         backoff = RESTART_BACKOFF_S
         while not self._stopping:
             ours, theirs = socket.socketpair()
+            work_fd = self._work.fd if self._work is not None else None
+            fds = (theirs.fileno(),) + ((work_fd,) if work_fd is not None else ())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "dpserve.router.workers", str(theirs.fileno()),
-                str(worker), pass_fds=(theirs.fileno(),))
+                str(worker), pass_fds=fds)
             theirs.close()
             self._procs[worker] = proc
             channel = await Channel.open(ours)
-            channel.send({**config_message(self._config), "port": self._port})
+            channel.send({**config_message(self._config), "port": self._port,
+                          "work_fd": work_fd, "workers": self._count})
             self.leader.attach(worker, channel)
             code = await proc.wait()
             await self.leader.detach(worker)
@@ -112,7 +123,9 @@ async def serve_follower(fd: int, worker: int) -> int:
     logging.getLogger("dpserve.pool").setLevel(logging.ERROR)  # the leader logs the table
     prometheus_client.disable_created_metrics()  # as the leader's: the series must match
     router = Router(ReplicaPool([]), config)
-    follower = Follower(router, channel)
+    work = (WorkTable(hello["work_fd"], workers=hello["workers"], me=worker)
+            if hello["work_fd"] is not None else None)
+    follower = Follower(router, channel, work)
     sock = bind_socket(config.host, hello["port"], reuse_port=True)
     server = uvicorn_server(router, config, app=follower_app(router, follower),
                             announce=False)
@@ -131,12 +144,16 @@ async def serve_follower(fd: int, worker: int) -> int:
             await task
     await router.aclose()
     channel.close()
+    if work is not None:
+        work.close()
     return 0
 
 
 def start_workers(router: Router, app: object, config: RouterConfig,
                   sock: socket.socket) -> Workers:
     """Start `config.workers - 1` followers beside this process, on `sock`'s port."""
-    workers = Workers(Leader(router, app), config, sock.getsockname()[1], config.workers)
+    work = WorkTable.create(config.workers)
+    workers = Workers(Leader(router, app, work), config, sock.getsockname()[1], config.workers,
+                      work)
     workers.start()
     return workers

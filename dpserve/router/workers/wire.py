@@ -74,11 +74,12 @@ def config_from(message: Message) -> RouterConfig:
     return RouterConfig(**message["config"])
 
 
-def replica_row(replica: Replica, elsewhere: int) -> Message:
-    """What a follower routes by; `elsewhere`: requests on it in other workers."""
+def replica_row(replica: Replica, elsewhere: int, slot: int | None) -> Message:
+    """What a follower routes by; `elsewhere`: requests on it in other workers, `slot`:
+    its cell in the shared work table (`work_table`)."""
     engine = replica.engine
     return {
-        "id": replica.id, "url": replica.url, "device": replica.device,
+        "id": replica.id, "url": replica.url, "device": replica.device, "slot": slot,
         "state": replica.state.value, "version": replica.weight_version,
         "models": sorted(replica.models), "avoid": replica.avoid,
         "ready_once": replica.has_been_ready, "elsewhere": elsewhere,
