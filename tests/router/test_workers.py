@@ -12,21 +12,23 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import process_alive
+from tests.rollout.checkpoints import perturbed, write_variant
 from tests.waiting import wait_for
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
 
 @contextlib.asynccontextmanager
-async def router_with_workers(*urls: str, workers: int = 2) -> AsyncIterator[
-        tuple[str, subprocess.Popen[str]]]:
+async def router_with_workers(*urls: str, workers: int = 2, flags: tuple[str, ...] = ()
+                             ) -> AsyncIterator[tuple[str, subprocess.Popen[str]]]:
     args = [sys.executable, "-m", "dpserve", "router", "--port", "0", "--workers",
-            str(workers), "--health-interval-s", "0.2"]
+            str(workers), "--health-interval-s", "0.2", *flags]
     for url in urls:
         args += ["--replica", url]
     proc = subprocess.Popen(  # noqa: ASYNC220 (a moment; the fixture's process is the router)
@@ -131,3 +133,27 @@ async def test_a_drain_waits_for_the_requests_every_worker_has_on_the_replica(
     assert drained.status_code == 200 and drained.json()["drained"] is True
     assert open_at_answer == 0  # the streams of both workers had ended
     assert {a.headers["x-dpserve-replica"] for a in after} == {"r1"}  # every worker drained
+
+
+async def test_a_deploy_through_two_workers_changes_what_every_worker_serves(
+        fake_replicas, tiny_model: Path, tmp_path: Path):
+    r0, r1 = await fake_replicas("r0"), await fake_replicas("r1")
+    checkpoint = await asyncio.to_thread(write_variant, tiny_model, tmp_path / "ft", 1,
+                                         tensors=perturbed(0.01, seed=1))
+    flags = ("--base-model", str(tiny_model), "--snapshot-dir", str(tmp_path / "snapshots"),
+             "--checkpoint-root", str(tmp_path))
+    async with router_with_workers(r0.url, r1.url, flags=flags) as (url, _), \
+            httpx.AsyncClient(base_url=url, timeout=30) as client:
+        started = await client.post("/admin/deploy", json={"checkpoint": str(checkpoint)})
+        assert started.status_code == 202, started.text
+        during: list[httpx.Response] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            during += await _fresh_connection_posts(url, 4)  # load on both workers meanwhile
+            record = (await client.get(f"/admin/deploy/{started.json()['id']}")).json()
+            if record["done"]:
+                break
+        after = await _fresh_connection_posts(url, 30)
+    assert record["state"] == "succeeded", record
+    assert [a.status_code for a in during if a.status_code != 200] == []
+    assert {a.headers["x-dpserve-weight-version"] for a in after} == {record["version"]}
