@@ -157,3 +157,24 @@ async def test_a_deploy_through_two_workers_changes_what_every_worker_serves(
     assert record["state"] == "succeeded", record
     assert [a.status_code for a in during if a.status_code != 200] == []
     assert {a.headers["x-dpserve-weight-version"] for a in after} == {record["version"]}
+
+
+async def test_a_follower_that_dies_is_started_again(fake_replicas):
+    r0, r1 = await fake_replicas("r0"), await fake_replicas("r1")
+    async with router_with_workers(r0.url, r1.url) as (url, proc):
+        (first,) = _children(proc.pid)
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: [p for p in _children(proc.pid) if p != first],
+                       "a new follower", within_s=15)
+        answers = await _fresh_connection_posts(url, 20)
+    assert [a.status_code for a in answers] == [200] * 20
+
+
+async def test_followers_exit_when_their_leader_is_killed(fake_replicas):
+    r0, r1 = await fake_replicas("r0"), await fake_replicas("r1")
+    async with router_with_workers(r0.url, r1.url) as (_, proc):
+        (follower,) = _children(proc.pid)
+        proc.kill()  # no chance to stop its followers: they see the socket pair close
+        await asyncio.to_thread(proc.wait)
+        await wait_for(lambda: not process_alive(follower), "the follower to exit",
+                       within_s=15)

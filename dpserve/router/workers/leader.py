@@ -20,6 +20,7 @@ from typing import Any
 
 from dpserve.router.asgi import Scope
 from dpserve.router.canary import CanarySplit, Sample
+from dpserve.router.errors import error_body
 from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
 from dpserve.router.policies import Journal, shared_memory
 from dpserve.router.pool import Replica
@@ -125,7 +126,7 @@ class Leader:
         for task in (*follower.tasks, *follower.answering):
             if task is not current:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                     await task
 
     async def aclose(self) -> None:
@@ -199,7 +200,10 @@ class Leader:
             if table != follower.sent or follower.sent_seq < self._seq:
                 follower.sent, follower.sent_seq = table, self._seq
                 follower.channel.send({**table, "seq": self._seq})
-                await follower.channel.drain()
+                try:
+                    await follower.channel.drain()
+                except ConnectionError:
+                    return  # the follower is gone: `_read` sees the end and detaches it
             follower.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(follower.changed.wait(), TICK_S)
@@ -260,7 +264,12 @@ class Leader:
             (r for r in self._pool.leaving() if r.id == replica_id), None)
 
     async def _answer(self, follower: _Follower, message: Message) -> None:
-        status, headers, body = await answer(self._app, message)
+        try:
+            status, headers, body = await answer(self._app, message)
+        except Exception:  # the app answers its own errors; this is a bug, not a reply
+            log.exception("a request relayed by worker %d failed", follower.worker)
+            status, headers = 500, [["content-type", "application/json"]]
+            body = error_body(500, "internal router error")
         follower.channel.send({"op": "reply", "id": message["id"], "status": status,
                                "headers": headers, "body": base64.b64encode(body).decode()})
 
