@@ -159,7 +159,7 @@ def wait_until(condition: Callable[[], bool], stop: threading.Event,
     return False
 
 
-TRIES = 3
+TRIES = 5
 """A stream the engine finished before it was paused (a loaded machine, seconds
 late) proves nothing: it is run again, up to this many times."""
 
@@ -217,8 +217,8 @@ def test_a_stream_whose_engine_stalls_moves_after_the_idle_timeout_and_ends_exac
     for _ in range(TRIES):
         with paused_mid_stream(deployment) as pause:
             got = streamed(deployment, body, pause.on_chunk)
-        if pause.caught:
-            break
+        if pause.caught or got["seams"]:  # a stream that moved was caught, whatever
+            break                         # the engine's gauge said when it paused
     else:
         pytest.fail(f"the stream ended before its engine was paused, {TRIES} times")
     assert [(s["from"], s["to"], s["reason"]) for s in got["seams"]] == [

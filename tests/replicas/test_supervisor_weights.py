@@ -72,8 +72,9 @@ async def test_a_requested_restart_skips_the_crash_backoff(tmp_path):
         seen: list[str] = []
         pool.on_state_change(lambda r, old, new: seen.append(new.value))
         await sup.restart("r0", "the rollout could not reload it")
-        await wait_for(lambda: sup.launched("r0")[0] == 2, "a restart without backoff", within_s=15)
-        assert sup.pids["r0"] != first
+        # the launch is counted before its process exists: wait for both
+        await wait_for(lambda: sup.launched("r0")[0] == 2 and sup.pids["r0"] != first,
+                       "a restart without backoff", within_s=15)
         # out of the health loop's reach while the old process stops, then starting
         assert seen[:3] == ["draining", "down", "starting"]
     finally:
