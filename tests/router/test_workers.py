@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import process_alive
@@ -46,6 +47,9 @@ async def router_with_workers(*urls: str, workers: int = 2, flags: tuple[str, ..
         asyncio.get_running_loop().run_in_executor(None, proc.stderr.read)  # never fills
         async with httpx.AsyncClient() as client:
             await wait_for(lambda: _ready(client, url), "both replicas ready", within_s=30)
+        port = int(url.rsplit(":", 1)[1])
+        await wait_for(lambda: _followers_listen(proc.pid, port, workers - 1),
+                       "every follower listening", within_s=30)
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -60,6 +64,17 @@ async def router_with_workers(*urls: str, workers: int = 2, flags: tuple[str, ..
 async def _ready(client: httpx.AsyncClient, url: str) -> bool:
     answer = await client.get(url + "/ready")
     return answer.status_code == 200 and answer.json()["replicas_ready"] == 2
+
+
+def _followers_listen(pid: int, port: int, followers: int) -> bool:
+    """Whether `followers` child processes of `pid` accept on `port` (the leader answers
+    /ready as soon as it is up; a follower still importing takes no connection)."""
+    listening = 0
+    for child in _children(pid):
+        with contextlib.suppress(psutil.Error):
+            listening += any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                             for c in psutil.Process(child).net_connections(kind="tcp"))
+    return listening == followers
 
 
 def _children(pid: int) -> list[int]:
