@@ -111,15 +111,20 @@ sys.exit(main(sys.argv[2:]))
 FAKE_ENGINE = str(Path(__file__).parent / "fake_vllm_server.py")
 
 
-def test_serve_says_where_the_router_listens_and_when_every_replica_is_ready(tmp_path):
+def _serve_with_fake_engines(tmp_path: Path, *flags: str) -> subprocess.Popen[str]:
+    """`dpserve serve` of 2 fake engines on a free port, in a session of its own."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", _SERVE_WITH_FAKE_ENGINES, FAKE_ENGINE, "serve",
          "--model", str(model), "--served-model-name", "fake-model", "--replicas", "2",
-         "--port", "0", "--run-dir", str(tmp_path / "runs")],
+         "--port", "0", *flags, "--run-dir", str(tmp_path / "runs")],
         stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_serve_says_where_the_router_listens_and_when_every_replica_is_ready(tmp_path):
+    proc = _serve_with_fake_engines(tmp_path)
     try:
         lines = _lines_until(proc, re.compile(r"2/2 replicas ready after"), within_s=120)
         (where,) = [ln for ln in lines if "router on http://" in ln]
@@ -137,14 +142,7 @@ def test_serve_says_where_the_router_listens_and_when_every_replica_is_ready(tmp
 
 
 def test_serve_with_two_workers_answers_on_one_port_and_stops_them_all(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE_WITH_FAKE_ENGINES, FAKE_ENGINE, "serve",
-         "--model", str(model), "--served-model-name", "fake-model", "--replicas", "2",
-         "--port", "0", "--workers", "2", "--run-dir", str(tmp_path / "runs")],
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _serve_with_fake_engines(tmp_path, "--workers", "2")
     try:
         lines = _lines_until(proc, re.compile(r"2/2 replicas ready after"), within_s=120)
         (where,) = [ln for ln in lines if "router on http://" in ln]  # said once, by the leader

@@ -32,7 +32,7 @@ from dpserve.router.workers.wire import (
     apply_row,
     new_replica,
 )
-from dpserve.router.workers.work_table import SharedRecentWork, WorkTable
+from dpserve.router.workers.work_table import WorkTable, share
 
 log = logging.getLogger("dpserve.router")
 
@@ -61,12 +61,7 @@ class Follower:
         self._memory = shared_memory(router.policy)
         self._slots: dict[str, int] = {}
         if self._memory is not None:
-            self._memory.journal()  # start keeping one
-            self._memory.on_journal = self._learned_here
-            if work is not None:
-                self._memory.share_work(SharedRecentWork(
-                    work, self._slots, half_life_s=self._memory.half_life_s,
-                    clock=self._memory.clock))
+            share(self._memory, work, self._slots, on_journal=self._learned_here)
         self.has_table = asyncio.Event()
         """Set once the first table is applied: the follower may route."""
         self.closed = asyncio.Event()

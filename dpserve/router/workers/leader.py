@@ -25,7 +25,7 @@ from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
 from dpserve.router.policies import Journal, shared_memory
 from dpserve.router.pool import Replica
 from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
-from dpserve.router.workers.work_table import MAX_SLOTS, SharedRecentWork, WorkTable
+from dpserve.router.workers.work_table import MAX_SLOTS, WorkTable, share
 
 log = logging.getLogger("dpserve.router")
 
@@ -72,12 +72,7 @@ class Leader:
         for replica in self._pool:
             self._slot(replica)
         if self._memory is not None:
-            self._memory.journal()  # start keeping one
-            self._memory.on_journal = self._learned_here
-            if work is not None:
-                self._memory.share_work(SharedRecentWork(
-                    work, self._slots, half_life_s=self._memory.half_life_s,
-                    clock=self._memory.clock))
+            share(self._memory, work, self._slots, on_journal=self._learned_here)
         self._canary: CanarySplit | None = None
         self._canary_epoch = 0
         self._pool.on_state_change(lambda *_: self._changed())

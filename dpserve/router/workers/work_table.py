@@ -22,6 +22,7 @@ import mmap
 import os
 from collections.abc import Callable
 
+from dpserve.router.policies import Shared
 from dpserve.router.policies.recent_work import RecentWork
 from dpserve.router.pool import Replica
 
@@ -89,3 +90,15 @@ class SharedRecentWork(RecentWork):
             super().add(replica_id, units)
         else:
             self._table.add(slot, units, self._clock(), self._rate)
+
+
+def share(memory: Shared, work: WorkTable | None, slots: dict[str, int], *,
+          on_journal: Callable[[], None]) -> None:
+    """Make a worker's routing memory the workers' own: its journal kept (and
+    `on_journal` told of each first entry), its recent work in `work` when there is one
+    (`slots` numbering the replicas, filled as the leader numbers them)."""
+    memory.journal()  # start keeping one
+    memory.on_journal = on_journal
+    if work is not None:
+        memory.share_work(SharedRecentWork(work, slots, half_life_s=memory.half_life_s,
+                                           clock=memory.clock))
