@@ -31,7 +31,7 @@ throughput >= 0.9x the offered rate (open loop; closed loop: the steady rate), 0
 
     python benchmarks/rollout.py [--load closed|open|both] [--replicas 2] [--clients 8]
                                  [--rate 8] [--steady-s 10] [--later 3] [--window-s 10]
-                                 [--restart]
+                                 [--admission warm|cold|both] [--fleets 1] [--restart]
 """
 
 from __future__ import annotations
@@ -180,10 +180,10 @@ def completed_rate(records: list[RequestRecord], t_base: float, t0: float, t1: f
 
 
 async def one_fleet(model: Path, work: Path, checkpoints: list[Path], shape: str, warm: bool,
-                    restart: bool, args: argparse.Namespace) -> list[Rolled]:
+                    restart: bool, args: argparse.Namespace, k: int = 0) -> list[Rolled]:
     admission = "warm" if warm else "cold"
-    print(f"{shape} loop, {admission} admission:", flush=True)
-    async with fleet(model, work / f"{shape}-{admission}", args.replicas, warm_up=warm,
+    print(f"{shape} loop, {admission} admission, fleet {k + 1}:", flush=True)
+    async with fleet(model, work / f"{shape}-{admission}-{k}", args.replicas, warm_up=warm,
                      checkpoint_root=work) as f:
         stop = asyncio.Event()
         loading = asyncio.create_task(run_load(load_plan(f.url, model, shape, args, stop)))
@@ -291,11 +291,13 @@ async def run(args: argparse.Namespace) -> list[Rolled]:
     checkpoints = make_checkpoints(model, work / "out")
     shapes = ["closed", "open"] if args.load == "both" else [args.load]
     results: list[Rolled] = []
+    admissions = {"both": (False, True), "warm": (True,), "cold": (False,)}[args.admission]
     for i, shape in enumerate(shapes):
-        for warm in (False, True):
-            last = i == len(shapes) - 1 and warm
-            results += await one_fleet(model, work, checkpoints, shape, warm,
-                                       args.restart and last, args)
+        for warm in admissions:
+            for k in range(args.fleets):
+                last = i == len(shapes) - 1 and warm is admissions[-1] and k == args.fleets - 1
+                results += await one_fleet(model, work, checkpoints, shape, warm,
+                                           args.restart and last, args, k)
     return results
 
 
@@ -313,6 +315,11 @@ def main() -> int:
     p.add_argument("--later", type=int, default=3, help="deploys after the first, per fleet")
     p.add_argument("--window-s", type=float, default=10.0,
                    help="throughput is measured over the deploy or this long, if longer")
+    p.add_argument("--admission", choices=("warm", "cold", "both"), default="both",
+                   help="warm: dpserve as it runs; cold: the baseline without the warm-up")
+    p.add_argument("--fleets", type=int, default=1,
+                   help="fresh fleets per load shape and admission (each has one first "
+                        "deploy; the verdicts pool them)")
     p.add_argument("--restart", action="store_true",
                    help="the last fleet also rolls by restarting each replica (minutes here)")
     args = p.parse_args()

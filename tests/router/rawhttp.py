@@ -32,13 +32,18 @@ class RawResponse:
         return self.json()["error"]["message"]
 
 
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
 async def exchange(port: int, *parts: bytes, quiet_s: float = 1.0, until_closed: bool = False,
-                   deadline_s: float = 15.0, gap_s: float = 0.0) -> tuple[bytes, bool]:
+                   deadline_s: float = 15.0, gap_s: float = 0.0,
+                   connection: Connection | None = None) -> tuple[bytes, bool]:
     """Send `parts` (with `gap_s` between them) on one connection while reading what
     comes back; return it and whether the server closed the connection. Reading stops
     when the server closes it, or (unless `until_closed`) after `quiet_s` without a
-    byte once everything was sent. A server that hangs up mid-send is no error."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    byte once everything was sent. A server that hangs up mid-send is no error.
+    `connection`: one already open (it is closed at the end), instead of a new one."""
+    reader, writer = connection or await asyncio.open_connection("127.0.0.1", port)
     sent = asyncio.Event()
 
     async def send() -> None:

@@ -27,15 +27,17 @@ REQUEST = RequestInfo(route="/v1/completions")
 
 
 @contextlib.asynccontextmanager
-async def leader_and_follower(replicas: int = 2, *, shared_work: bool = False
+async def leader_and_follower(replicas: int = 2, *, shared_work: bool = False,
+                              leader_app: Any = None
                               ) -> AsyncIterator[tuple[Router, Leader, Router, Follower]]:
+    """`leader_app`: what answers relayed requests on the leader (default its router's)."""
     pool = ReplicaPool([Replica(id=f"r{i}", url=f"http://127.0.0.1:{9 + i}", weight_version="v1")
                         for i in range(replicas)])
     for replica in pool:
         pool.set_state(replica, ReplicaState.READY)
     table = WorkTable.create(2) if shared_work else None
     lead = Router(pool, RouterConfig())
-    leader = Leader(lead, build_app(lead), table)
+    leader = Leader(lead, leader_app or build_app(lead), table)
     follow = Router(ReplicaPool([]), RouterConfig())
     ours, theirs = socket.socketpair()
     follower = Follower(follow, await Channel.open(theirs),

@@ -26,14 +26,18 @@ BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
 
 @contextlib.asynccontextmanager
-async def router_with_workers(*urls: str, workers: int = 2, flags: tuple[str, ...] = ()
+async def router_with_workers(*urls: str, workers: int = 2, flags: tuple[str, ...] = (),
+                             env: dict[str, str] | None = None
                              ) -> AsyncIterator[tuple[str, subprocess.Popen[str]]]:
+    """`dpserve router --workers N` in front of `urls`, once both replicas are ready and
+    every follower listens; `env` is added to the router's environment."""
     args = [sys.executable, "-m", "dpserve", "router", "--port", "0", "--workers",
             str(workers), "--health-interval-s", "0.2", *flags]
     for url in urls:
         args += ["--replica", url]
     proc = subprocess.Popen(  # noqa: ASYNC220 (a moment; the fixture's process is the router)
-        args, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        args, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})})
     assert proc.stderr is not None
     try:
         url = None

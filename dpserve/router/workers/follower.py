@@ -232,12 +232,12 @@ def follower_app(router: Router, follower: Follower) -> Any:
             body += event.get("body", b"")
             more = event.get("more_body", False)
             if len(body) > MAX_RELAYED_BODY_BYTES:
-                await _answer(send, 413, [], error_body(413, "request body too large"))
+                await _answer(send, 413, JSON, error_body(413, "request body too large"))
                 return
         try:
             reply = await follower.relay(scope, bytes(body))
         except ConnectionError:
-            await _answer(send, 503, [], error_body(503, "the router is shutting down"))
+            await _answer(send, 503, JSON, error_body(503, "the router is shutting down"))
             return
         headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply["headers"]]
         await _answer(send, reply["status"], headers, base64.b64decode(reply["body"]))
@@ -245,10 +245,12 @@ def follower_app(router: Router, follower: Follower) -> Any:
     return build_data_plane(router, relay)
 
 
+JSON = [(b"content-type", b"application/json")]
+
+
 async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]],
                   body: bytes) -> None:
-    if not headers:
-        headers = [(b"content-type", b"application/json")]
+    """The whole answer, framed here: the leader's own framing headers are dropped."""
     headers = [(n, v) for n, v in headers
                if n.lower() not in (b"content-length", b"transfer-encoding")]
     headers.append((b"content-length", str(len(body)).encode()))
