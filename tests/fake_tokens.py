@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -103,11 +104,15 @@ def expected_text(body: dict[str, Any], n: int) -> str:
 
 async def stream(request: web.Request, body: dict[str, Any], *, name: str, fingerprint: str,
                  cut_after: int | None, hang_after: int | None,
-                 delay_s: float, hang_at_end: bool = False) -> web.StreamResponse:
+                 delay_s: float, hang_at_end: bool = False,
+                 before_first: Callable[[web.Request], Awaitable[bool]] | None = None
+                 ) -> web.StreamResponse:
     """Answer a streaming completion or chat as vLLM 0.32 does with `return_token_ids`.
     `cut_after` tokens: the connection closes (a replica killed); `hang_after`: nothing
     more is sent (a stalled engine); `hang_at_end`: `[DONE]` is sent, then nothing, the
-    response never ended (an engine stopped between its last event and the end)."""
+    response never ended (an engine stopped between its last event and the end);
+    `before_first`: awaited after the head went out, before the first event (False:
+    the client left meanwhile)."""
     chat = "messages" in body
     ids = body.get("return_token_ids") is True
     prompt = prompt_ids(body)
@@ -117,6 +122,8 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
             "object": "chat.completion.chunk" if chat else "text_completion"}
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
     await resp.prepare(request)
+    if before_first is not None and not await before_first(request):
+        return resp  # queued or in prefill when the client left: nothing more is sent
 
     async def send(chunk: dict[str, Any]) -> None:
         await resp.write(b"data: " + json.dumps(head | chunk, separators=(",", ":")).encode()

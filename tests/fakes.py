@@ -18,6 +18,7 @@ name; the real-vLLM behaviour is covered in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable
@@ -125,6 +126,9 @@ class FakeReplica:
     """With `tokens`: streams send nothing more after this many tokens."""
     hang_at_end: bool = False
     """With `tokens`: streams send `[DONE]`, then nothing, never ending the response."""
+    first_chunk_gate: asyncio.Event | None = None
+    """If set, streams send their head at once and their first chunk once it is set:
+    a request queued or in prefill in a busy engine (vLLM answers the head first)."""
     seen: list[str] = field(default_factory=list)
     """Every request that reached the replica, as `METHOD path?query`, health checks
     and scrapes left out: what a smuggled request would show up in."""
@@ -280,6 +284,18 @@ class FakeReplica:
             "data": [{"object": "embedding", "index": 0, "embedding": [0.25, -0.5]}],
             "usage": {"prompt_tokens": 1, "total_tokens": 1}})
 
+    async def _first_chunk(self, request: web.Request) -> bool:
+        """Until `first_chunk_gate` is set (True), or the client leaves (False, counted
+        in `closed_streams`, as vLLM aborts a request whose client left)."""
+        assert self.first_chunk_gate is not None
+        while not self.first_chunk_gate.is_set():
+            if request.transport is None or request.transport.is_closing():
+                self.closed_streams += 1
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.first_chunk_gate.wait(), 0.02)
+        return True
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if (not (self.tokens and body.get("stream"))
@@ -316,7 +332,8 @@ class FakeReplica:
             return await fake_tokens.stream(
                 request, body, name=self.name, fingerprint=FINGERPRINT,
                 cut_after=self.cut_after_tokens, hang_after=self.hang_after_tokens,
-                delay_s=self.chunk_delay_s, hang_at_end=self.hang_at_end)
+                delay_s=self.chunk_delay_s, hang_at_end=self.hang_at_end,
+                before_first=self._first_chunk if self.first_chunk_gate else None)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,
@@ -326,6 +343,8 @@ class FakeReplica:
         await resp.prepare(request)
         self.open_streams += 1
         try:
+            if self.first_chunk_gate is not None and not await self._first_chunk(request):
+                return resp
             for i in range(self.chunks):
                 if self.mode == "hang" and i == 1:
                     await asyncio.sleep(3600)

@@ -262,12 +262,18 @@ class Convergence:
         if strict and not same:
             return False
         assert self._streams is not None
-        rp.migrated = self._streams.evict(replica.id)
+        staying = replica.in_flight
+        moved = self._streams.evict(replica.id)
+        rp.migrated = moved
         if not same:
-            rp.mixed += rp.migrated
-        if not rp.migrated:
+            rp.mixed += moved
+        if not moved:
             return False
-        return await self.pool.wait_idle(replica, EVICTED_LEAVE_S)
+        # Wait for the moved ones to leave, not for the rest: under no_mixed_versions
+        # nothing may stay; otherwise what stays is frozen by the pause, as without a move.
+        await self.pool.wait_idle(replica, EVICTED_LEAVE_S,
+                                  at_most=0 if strict else max(0, staying - moved))
+        return replica.in_flight == 0
 
     async def _evaluate(self, gate: Gate, replica: Replica, model: str) -> None:
         """Score the eval set on `replica` (updated, out of rotation) and, for the

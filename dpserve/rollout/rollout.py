@@ -19,8 +19,10 @@ their responses may straddle two checkpoints); `no_mixed_versions` waits for the
 (`drain_wait_s`, default 600 s) and fails the deploy rather than pause a busy
 replica. Streams the router can migrate (`dpserve.router.migration`) do not wait
 for the pause: at the drain deadline they move to another replica, on the same
-weights when one serves (`migrated_streams`). With no other replica ready nothing
-is drained: queueing for the reload beats answering 503.
+weights when one serves (`migrated_streams`), and any stream still waiting for its
+first chunk starts over on another replica; only the moved ones are waited for.
+With no other replica ready nothing is drained: queueing for the reload beats
+answering 503.
 
 Failure. Any step error stops the rollout after the current batch;
 `deployed.current` goes back to the previous weights, and every replica not

@@ -179,16 +179,17 @@ class ReplicaPool:
             self.set_state(replica, ReplicaState.DOWN, reason)
         replica.health_successes = 0
 
-    async def wait_idle(self, replica: Replica, within_s: float, *,
+    async def wait_idle(self, replica: Replica, within_s: float, *, at_most: int = 0,
                         poll_s: float = 0.05) -> bool:
-        """Wait up to `within_s` for `replica` to have nothing in flight; whether it has.
-        (Counts change in the data plane's slots, which signal nothing: poll.)"""
+        """Wait up to `within_s` for `replica` to have at most `at_most` requests in
+        flight (default: nothing); whether it has. (Counts change in the data plane's
+        slots, which signal nothing: poll.)"""
         deadline = time.monotonic() + within_s
         if self.settle is not None:  # other workers may not have seen the drain yet
             await self.settle()
-        while replica.in_flight and time.monotonic() < deadline:
+        while replica.in_flight > at_most and time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
-        return replica.in_flight == 0
+        return replica.in_flight <= at_most
 
     def record_engine_load(self, replica: Replica, load: EngineLoad, now: float) -> None:
         """Store a scrape together with the router's in-flight count at the same instant."""

@@ -61,7 +61,7 @@ from dpserve.router.migration import Broken, Migrator, Stream
 from dpserve.router.movable import refusal
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import ReplicaPool
-from dpserve.router.relay import StreamRelay
+from dpserve.router.relay import Restart, StreamRelay
 from dpserve.router.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.retry import backoff, is_retryable
 from dpserve.router.tracing import Tracing
@@ -123,7 +123,8 @@ class ProxyEndpoint:
         self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)
         self._streams = StreamRelay(route, config=config, metrics=metrics,
-                                    first_byte=self._first_byte, migrator=self._migrator)
+                                    first_byte=self._first_byte, migrator=self._migrator,
+                                    live=dispatcher.streams)
 
     def _origin(self, base: str) -> Origin:
         origin = self._origins.get(base)
@@ -252,8 +253,10 @@ class ProxyEndpoint:
         attempts = self._config.max_attempts
         tried: list[str] = []
         last_error, last_status = "", 502
-        for attempt in range(1, attempts + 1):
-            if attempt > 1:
+        attempt, restarted = 0, False
+        while attempt < attempts:
+            attempt += 1
+            if attempt > 1 and not restarted:
                 self._metrics.retries.labels(self.route).inc()
                 await asyncio.sleep(backoff(attempt - 1, base=self._config.retry_backoff_s,
                                             cap=self._config.retry_backoff_max_s))
@@ -276,6 +279,13 @@ class ProxyEndpoint:
                 result = await self._attempt(ex, slot, last=attempt == attempts)
             if isinstance(result, int):
                 return slot.replica.id, result
+            if isinstance(result, Restart):  # drained before its first chunk: no failure
+                log.info("request %s: %s; starting over on another replica",
+                         ex.request_id, result)
+                attempt, restarted = attempt - 1, True
+                last_error = f"replica {slot.replica.id}: {result}"
+                continue
+            restarted = False
             if isinstance(result, Broken):  # its slot left: the breaker has heard
                 assert ex.migration is not None
                 return await self._migrator.resume(ex.migration, result, tried), result.status

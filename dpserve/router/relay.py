@@ -3,7 +3,10 @@
 `ProxyEndpoint` hands a stream over once the replica answered its head: the
 first chunk must come within `first_byte_timeout_s` (else 504, or a retry while
 the client has seen nothing), the client's response starts with it, and every
-later chunk within `stream_idle_timeout_s`. A stream the router tracks for
+later chunk within `stream_idle_timeout_s`. Until that first chunk the client
+has nothing, so a drain may take the stream off its replica (`LiveStreams.evict`)
+and it starts over on another (`Restart`), instead of waiting for its whole
+generation or being frozen by the replica's pause. A stream the router tracks for
 migration goes to the `Migrator`, which can carry it on elsewhere; any other is
 relayed here, and if it breaks, ends with whole events, an SSE error event and
 `[DONE]` (`dpserve.router.sse`), never a hang or half an event.
@@ -22,6 +25,7 @@ from dpserve.router.breaker import Outcome, classify
 from dpserve.router.dispatch import Slot
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.exchange import Exchange
+from dpserve.router.live import Evicted, LiveStreams
 from dpserve.router.metrics import RouterMetrics
 from dpserve.router.migration import Broken, Migrator
 from dpserve.router.sse import EventFramer, EventTooLarge
@@ -34,12 +38,22 @@ log = logging.getLogger("dpserve.proxy")
 _UNREACHABLE = (OSError,)
 
 
+class Restart(str):
+    """Why a stream left its replica before its first chunk (a drain): it starts over
+    on another replica, which is no failure and no retry."""
+
+
+def _always() -> bool:
+    return True
+
+
 class StreamRelay:
     """One route's stream relay (its metrics and timeouts bound once)."""
 
     def __init__(self, route: str, *, config: RouterConfig, metrics: RouterMetrics,
-                 first_byte: Any, migrator: Migrator) -> None:
+                 first_byte: Any, migrator: Migrator, live: LiveStreams) -> None:
         self.route = route
+        self._live = live
         self._config = config
         self._metrics = metrics
         self._first_byte = first_byte
@@ -55,8 +69,12 @@ class StreamRelay:
         idle = self._config.stream_idle_timeout_s
         reader = resp
         try:
-            async with asyncio.timeout(self._config.first_byte_timeout_s):
-                first = await reader.readany()
+            with self._live.running(replica.id, resp, _always):
+                async with asyncio.timeout(self._config.first_byte_timeout_s):
+                    first = await reader.readany()
+        except Evicted as exc:
+            slot.outcome = Outcome.ABORTED  # the router's doing: no mark on the replica
+            return Restart(f"{exc} before the stream's first chunk")
         except _UNREACHABLE as exc:
             slot.outcome = Outcome.DISCONNECTED
             return f"stream dropped before its first chunk ({type(exc).__name__})"

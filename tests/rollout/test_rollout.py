@@ -389,3 +389,37 @@ async def test_a_stream_still_running_at_the_drain_deadline_moves_to_another_rep
     seams = next(e["dpserve"]["migrations"] for e in chunks if "dpserve" in e)
     assert [(s["from"], s["to"], s["reason"]) for s in seams] == [
         ("r0", "r1", "drained"), ("r1", "r0", "drained")]
+
+
+async def test_a_drain_waits_for_the_streams_it_moved_not_for_those_that_stay(
+        fake_replicas, tiny_model, checkpoints):
+    """r0 runs a stream that can move and one that cannot (penalties: not continuable
+    elsewhere as the same request). The deploy moves the first, waits for it to leave
+    and pauses the replica over the second (counted as mixing versions) instead of
+    waiting ~3 s for it to end."""
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 60, "stream": True,
+            "temperature": 0}
+    async with fleet(fake_replicas, tiny_model, 2, tokens=True, chunk_delay_s=0.05,
+                     policy="round-robin") as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        await wait_for(lambda: len(f.router.pool.ready()) == 2, "both replicas ready")
+        r0 = f.router.pool.get("r0")
+        movable = asyncio.create_task(c.post("/v1/completions", json=body))
+        await wait_for(lambda: f.router.dispatcher.streams.movable("r0"), "a stream on r0")
+        between = await c.post("/v1/completions", json=body | {"stream": False})  # on r1
+        staying = asyncio.create_task(c.post("/v1/completions", json=body | {
+            "prompt": "stays", "presence_penalty": 0.5}))
+        await wait_for(lambda: r0.in_flight == 2, "the second stream on r0")
+        status, record = await deploy(f, checkpoints[0], drain_wait_s=0.2)
+        answers = [await movable, await staying]
+    assert between.status_code == 200
+    assert status == 202 and record["state"] == "succeeded", record
+    first = record["replicas"][0]
+    assert first["id"] == "r0"
+    assert (first["migrated_streams"], first["mixed_versions"]) == (1, 1)
+    assert first["steps"]["drain"] < 1.5, first["steps"]  # the staying one runs ~3 s
+    for answer, prompt in zip(answers, ("long", "stays"), strict=True):
+        chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(c["text"] for e in chunks for c in e.get("choices", [])) == \
+            fake_tokens.expected_text(body | {"prompt": prompt}, 60)

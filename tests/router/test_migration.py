@@ -266,3 +266,30 @@ async def test_a_stream_without_a_head_within_the_idle_timeout_goes_elsewhere(fa
         events = await stream(base, "/v1/completions", COMPLETION)
     assert text(events) == expected_text(COMPLETION, 12)
     assert len(a.requests) == 1 and len(b.requests) == 1
+
+
+@pytest.mark.parametrize("tokens", [True, False], ids=["migratable", "not-migratable"])
+async def test_a_stream_drained_before_its_first_chunk_starts_over_on_another_replica(
+        fake_replicas, tokens):
+    """Queued or in prefill on a drained replica, a stream has sent the client nothing:
+    it starts over elsewhere (any stream, migratable or not) instead of being waited
+    for or frozen by the replica's pause; no retry, no mark on the replica."""
+    gate = asyncio.Event()  # never set: r0 has not got to the stream's first token
+    a = await fake_replicas("a", tokens=tokens, first_chunk_gate=gate)
+    b = await fake_replicas("b", tokens=tokens)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        task = asyncio.create_task(stream(base, "/v1/completions", COMPLETION))
+        await wait_for(lambda: router.dispatcher.streams.movable("r0"),
+                       "the stream on r0, before its first chunk")
+        router.pool.set_state(router.pool.get("r0"), ReplicaState.DRAINING, "test")
+        assert router.dispatcher.streams.evict("r0") == 1
+        events = await task
+        await wait_for(lambda: router.pool.get("r0").in_flight == 0, "r0 given up")
+        await wait_for(lambda: a.closed_streams == 1, "r0's request abandoned (vLLM aborts)")
+        metrics = await scrape(base)
+    assert text(events) == (expected_text(COMPLETION, 12) if tokens else "t0t1t2t3")
+    assert events[-1] == "[DONE]"
+    assert [len(a.requests), len(b.requests)] == [1, 1]
+    assert router.dispatcher.breaker(router.pool.get("r0")).consecutive_failures == 0
+    assert 'dpserve_retries_total{route="/v1/completions"} 1' not in metrics
