@@ -49,6 +49,8 @@ class Deploy:
     """Seconds each replica was out of rotation (full hot-loads)."""
     steps: dict[str, float] = field(default_factory=dict)
     """Seconds per hot-load step, the slowest replica's."""
+    events: list[str] = field(default_factory=list)
+    """The deploy record's events, each with its time since the deploy began."""
 
     @property
     def seconds(self) -> float:

@@ -65,6 +65,9 @@ PROMPTS = 200
 LOAD_FOR_AT_MOST_S = 3600
 P99_RATIO_TARGET = 2.0
 THROUGHPUT_TARGET = 0.9
+RollResult = tuple[list[float], dict[str, float], list[str]]
+"""What a roll returns: seconds out of rotation per replica, the slowest replica's step
+times, the deploy record's timed events."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def load_plan(url: str, model: Path, shape: str, args: argparse.Namespace,
                     request_id_prefix=f"rollout-bench-{shape}-")
 
 
-async def hot_load(f: Fleet, checkpoint: Path) -> tuple[list[float], dict[str, float]]:
+async def hot_load(f: Fleet, checkpoint: Path) -> RollResult:
     progress = await f.rollout.start(str(checkpoint), DeployOptions())
     await f.rollout.wait()
     if progress.state.value != "succeeded":
@@ -126,11 +129,11 @@ async def hot_load(f: Fleet, checkpoint: Path) -> tuple[list[float], dict[str, f
     for r in progress.replicas:
         for name, took in r.steps.items():
             steps[name] = max(steps.get(name, 0.0), took)
-    return [r.seconds or 0.0 for r in progress.replicas], steps
+    return [r.seconds or 0.0 for r in progress.replicas], steps, list(progress.events)
 
 
 async def restart_each(pool: ReplicaPool, supervisor: Supervisor, deployed: Deployed,
-                       checkpoint: Path, startup_s: float) -> tuple[list[float], dict[str, float]]:
+                       checkpoint: Path, startup_s: float) -> RollResult:
     deployed.current = weights_for(str(checkpoint))  # what restarted replicas load
     took = []
     for replica in pool:
@@ -147,10 +150,10 @@ async def restart_each(pool: ReplicaPool, supervisor: Supervisor, deployed: Depl
         await supervisor.restart(replica.id, "rolling restart onto the new checkpoint")
         await wait_until(back, startup_s, "restarted replica")
         took.append(time.perf_counter() - t0)
-    return took, {}
+    return took, {}, []
 
 
-Roll = Callable[[], Awaitable[tuple[list[float], dict[str, float]]]]
+Roll = Callable[[], Awaitable[RollResult]]
 
 
 async def measure(label: str, roll: Roll, args: argparse.Namespace) -> Deploy:
@@ -158,13 +161,13 @@ async def measure(label: str, roll: Roll, args: argparse.Namespace) -> Deploy:
     t_steady = time.perf_counter()
     await asyncio.sleep(args.steady_s)
     t0 = time.perf_counter()
-    per_replica, steps = await roll()
+    per_replica, steps, events = await roll()
     t_done = time.perf_counter()
     await asyncio.sleep(max(0.0, t0 + args.window_s - t_done))
     print(f"  {label}: {t_done - t0:.2f} s", flush=True)
     return Deploy(label=label, kind="full", round=label, t_steady=t_steady, t0=t0,
                   t_started=t0, t_done=t_done, t_end=t_done, per_replica=per_replica,
-                  steps=steps)
+                  steps=steps, events=events)
 
 
 def offered_rate(records: list[RequestRecord], t_base: float, t0: float, t1: float) -> float:
@@ -271,6 +274,15 @@ def report(results: list[Rolled]) -> None:
         if r.deploy.steps:
             print(f"{r.load} {r.admission} {r.deploy.label} steps, slowest replica: "
                   + ", ".join(f"{step} {took:.3f} s" for step, took in r.deploy.steps.items()))
+    for r in results:  # where the time went in a deploy that missed a target
+        p99, steady = percentile_ms(r.window.ttft_s, 99), percentile_ms(r.window.steady_ttft_s, 99)
+        base = r.offered if r.offered is not None else r.steady_rate
+        missed = (p99 is not None and steady and p99 > P99_RATIO_TARGET * steady) or (
+            base and r.rate < THROUGHPUT_TARGET * base)
+        if missed and r.deploy.events:
+            print(f"{r.load} {r.admission} {r.deploy.label} (missed a target), its events:")
+            for event in r.deploy.events:
+                print(f"    {event}")
     print()
     for shape in dict.fromkeys(r.load for r in results):
         for which in ("first", "later"):
