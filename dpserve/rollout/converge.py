@@ -271,7 +271,7 @@ class Convergence:
             return False
         # Wait for the moved ones to leave, not for the rest: under no_mixed_versions
         # nothing may stay; otherwise what stays is frozen by the pause, as without a move.
-        await self.pool.wait_idle(replica, EVICTED_LEAVE_S,
+        await self.pool.wait_idle(replica, EVICTED_LEAVE_S, poll_s=0.01,  # out of rotation
                                   at_most=0 if strict else max(0, staying - moved))
         return replica.in_flight == 0
 
