@@ -5,8 +5,11 @@ vLLM replicas are covered in tests/integration/test_deploy.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -363,17 +366,37 @@ async def test_no_mixed_versions_is_refused_for_a_lone_replica_or_a_non_boolean(
         assert f.versions() == [weights_for(str(tiny_model)).version]
 
 
+LONG_STREAM = {"model": MODEL, "prompt": "long", "max_tokens": 60, "stream": True,
+               "temperature": 0}
+
+
+@contextlib.asynccontextmanager
+async def streaming_fleet(fake_replicas, tiny_model
+                          ) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """Two fakes in token mode (their streams can move), 20 tokens/s, round robin."""
+    async with fleet(fake_replicas, tiny_model, 2, tokens=True, chunk_delay_s=0.05,
+                     policy="round-robin") as f, \
+            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
+        await wait_for(lambda: len(f.router.pool.ready()) == 2, "both replicas ready")
+        yield f, c
+
+
+def stream_chunks(answer: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in answer.text.splitlines()
+            if line.startswith("data: {")]
+
+
+def stream_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["text"] for e in chunks for c in e.get("choices", []))
+
+
 async def test_a_stream_still_running_at_the_drain_deadline_moves_to_another_replica(
         fake_replicas, tiny_model, checkpoints):
     """The shared fake engine's token mode: its streams can be continued elsewhere.
     Moved first to r1 (still on the old weights: no mixing), then, when r1's turn
     comes, back to r0 (on the new weights: counted as mixing versions)."""
-    body = {"model": MODEL, "prompt": "long", "max_tokens": 60, "stream": True,
-            "temperature": 0}
-    async with fleet(fake_replicas, tiny_model, 2, tokens=True, chunk_delay_s=0.05,
-                     policy="round-robin") as f, \
-            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
-        await wait_for(lambda: len(f.router.pool.ready()) == 2, "both replicas ready")
+    body = LONG_STREAM
+    async with streaming_fleet(fake_replicas, tiny_model) as (f, c):
         stream = asyncio.create_task(c.post("/v1/completions", json=body))
         await wait_for(lambda: f.router.pool.get("r0").in_flight, "the stream on r0")
         status, record = await deploy(f, checkpoints[0], drain_wait_s=0.2)
@@ -381,11 +404,9 @@ async def test_a_stream_still_running_at_the_drain_deadline_moves_to_another_rep
     assert status == 202 and record["state"] == "succeeded", record
     moved = {r["id"]: (r["migrated_streams"], r["mixed_versions"]) for r in record["replicas"]}
     assert moved == {"r0": (1, 0), "r1": (1, 1)}
-    chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
-              if line.startswith("data: {")]
+    chunks = stream_chunks(answer)
     assert all("choices" in e for e in chunks), chunks[-3:]
-    assert "".join(c["text"] for e in chunks for c in e["choices"]) == \
-        fake_tokens.expected_text(body, 60)
+    assert stream_text(chunks) == fake_tokens.expected_text(body, 60)
     seams = next(e["dpserve"]["migrations"] for e in chunks if "dpserve" in e)
     assert [(s["from"], s["to"], s["reason"]) for s in seams] == [
         ("r0", "r1", "drained"), ("r1", "r0", "drained")]
@@ -397,12 +418,8 @@ async def test_a_drain_waits_for_the_streams_it_moved_not_for_those_that_stay(
     elsewhere as the same request). The deploy moves the first, waits for it to leave
     and pauses the replica over the second (counted as mixing versions) instead of
     waiting ~3 s for it to end."""
-    body = {"model": MODEL, "prompt": "long", "max_tokens": 60, "stream": True,
-            "temperature": 0}
-    async with fleet(fake_replicas, tiny_model, 2, tokens=True, chunk_delay_s=0.05,
-                     policy="round-robin") as f, \
-            httpx.AsyncClient(base_url=f.base, timeout=30) as c:
-        await wait_for(lambda: len(f.router.pool.ready()) == 2, "both replicas ready")
+    body = LONG_STREAM
+    async with streaming_fleet(fake_replicas, tiny_model) as (f, c):
         r0 = f.router.pool.get("r0")
         movable = asyncio.create_task(c.post("/v1/completions", json=body))
         await wait_for(lambda: f.router.dispatcher.streams.movable("r0"), "a stream on r0")
@@ -419,7 +436,5 @@ async def test_a_drain_waits_for_the_streams_it_moved_not_for_those_that_stay(
     assert (first["migrated_streams"], first["mixed_versions"]) == (1, 1)
     assert first["steps"]["drain"] < 1.5, first["steps"]  # the staying one runs ~3 s
     for answer, prompt in zip(answers, ("long", "stays"), strict=True):
-        chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
-                  if line.startswith("data: {")]
-        assert "".join(c["text"] for e in chunks for c in e.get("choices", [])) == \
+        assert stream_text(stream_chunks(answer)) == \
             fake_tokens.expected_text(body | {"prompt": prompt}, 60)
