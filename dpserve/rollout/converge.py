@@ -264,15 +264,15 @@ class Convergence:
         assert self._streams is not None
         staying = replica.in_flight
         moved = self._streams.evict(replica.id)
-        rp.migrated = moved
-        if not same:
-            rp.mixed += moved
+        rp.migrated, rp.restarted = moved.migrating, moved.restarting
+        if not same:  # a restarted stream runs wholly on one version: it mixes none
+            rp.mixed += moved.migrating
         if not moved:
             return False
         # Wait for the moved ones to leave, not for the rest: under no_mixed_versions
         # nothing may stay; otherwise what stays is frozen by the pause, as without a move.
         await self.pool.wait_idle(replica, EVICTED_LEAVE_S, poll_s=0.01,  # out of rotation
-                                  at_most=0 if strict else max(0, staying - moved))
+                                  at_most=0 if strict else max(0, staying - moved.total))
         return replica.in_flight == 0
 
     async def _evaluate(self, gate: Gate, replica: Replica, model: str) -> None:

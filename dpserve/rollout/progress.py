@@ -204,7 +204,11 @@ class ReplicaProgress:
     resumes on the new weights, so its response may mix two versions (at most this
     many: one already generated and still being sent did not)."""
     migrated: int = 0
-    """Streams still running at the drain deadline, moved to other replicas."""
+    """Streams still running at the drain deadline, carried on by other replicas from
+    the tokens their clients had."""
+    restarted: int = 0
+    """Streams that had sent nothing yet at the drain deadline, started over on other
+    replicas (each wholly on one version)."""
     note: str | None = None
     error: str | None = None
 
@@ -212,7 +216,7 @@ class ReplicaProgress:
         return {"id": self.id, "phase": self.phase.value, "from_version": self.from_version,
                 "version": self.version, "seconds": self.seconds, "steps": dict(self.steps),
                 "mixed_versions": self.mixed, "migrated_streams": self.migrated,
-                "note": self.note, "error": self.error}
+                "restarted_streams": self.restarted, "note": self.note, "error": self.error}
 
 
 @dataclass

@@ -9,7 +9,8 @@ checked by `dpserve.router.auth.Authenticate` (admin key, or loopback only).
   `{"wait_s": S}` also wait up to S seconds for its in-flight requests to end
   (`"drained": true` once none is left); with `"move_streams": true`, the
   streams still running then move to other replicas (`dpserve.router.live`;
-  `"moved_streams"` says how many), as before a scale-down.
+  `"moved_streams"` says how many, `"restarted_streams"` how many of them had sent
+  nothing yet and started over), as before a scale-down.
 - `POST /admin/replicas/{id}/undrain` — health-check it now and put it back
   into rotation when healthy.
 """
@@ -26,7 +27,7 @@ from starlette.routing import Route
 from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
 from dpserve.router.health import HealthChecker
-from dpserve.router.live import LiveStreams
+from dpserve.router.live import NONE_MOVING, LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 
 MAX_WAIT_S = 3600.0
@@ -78,7 +79,9 @@ def admin_routes(pool: ReplicaPool, health: HealthChecker, streams: LiveStreams
         drained = await pool.wait_idle(replica, wait_s)
         answer: dict[str, Any] = {}
         if move:
-            answer["moved_streams"] = moved = streams.evict(replica.id) if not drained else 0
+            moved = streams.evict(replica.id) if not drained else NONE_MOVING
+            answer["moved_streams"] = moved.total
+            answer["restarted_streams"] = moved.restarting  # of those: had sent nothing yet
             if moved:
                 drained = await pool.wait_idle(replica, MOVED_LEAVE_S)
         return JSONResponse({**describe(replica), "drained": drained, **answer})

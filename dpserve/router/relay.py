@@ -69,7 +69,7 @@ class StreamRelay:
         idle = self._config.stream_idle_timeout_s
         reader = resp
         try:
-            with self._live.running(replica.id, resp, _always):
+            with self._live.running(replica.id, resp, _always, restarts=True):
                 async with asyncio.timeout(self._config.first_byte_timeout_s):
                     first = await reader.readany()
         except Evicted as exc:

@@ -412,6 +412,30 @@ async def test_a_stream_still_running_at_the_drain_deadline_moves_to_another_rep
         ("r0", "r1", "drained"), ("r1", "r0", "drained")]
 
 
+async def test_a_stream_that_starts_over_elsewhere_is_restarted_not_migrated(
+        fake_replicas, tiny_model, checkpoints):
+    """r1's engine has not got to the stream's first token when r1's turn comes: the
+    stream starts over on r0, already on the new weights, and runs wholly there. The
+    record says restarted, not migrated, and counts no mixing of versions."""
+    async with streaming_fleet(fake_replicas, tiny_model) as (f, c):
+        f.fakes[1].first_chunk_gate = asyncio.Event()  # never set: r1 stays in prefill
+        on_r0 = await c.post("/v1/completions", json=LONG_STREAM | {"stream": False})
+        stream = asyncio.create_task(c.post("/v1/completions", json=LONG_STREAM))
+        await wait_for(lambda: f.router.dispatcher.streams.movable("r1"),
+                       "the stream waiting on r1")
+        status, record = await deploy(f, checkpoints[0], drain_wait_s=0.2)
+        answer = await stream
+    assert on_r0.status_code == 200
+    assert status == 202 and record["state"] == "succeeded", record
+    moved = {r["id"]: (r["migrated_streams"], r["restarted_streams"], r["mixed_versions"])
+             for r in record["replicas"]}
+    assert moved == {"r0": (0, 0, 0), "r1": (0, 1, 0)}
+    assert f.fakes[1].closed_streams == 1  # r1's request abandoned
+    chunks = stream_chunks(answer)
+    assert stream_text(chunks) == fake_tokens.expected_text(LONG_STREAM, 60)
+    assert not any("dpserve" in e for e in chunks)  # no seam: it ran on r0 alone
+
+
 async def test_a_drain_waits_for_the_streams_it_moved_not_for_those_that_stay(
         fake_replicas, tiny_model, checkpoints):
     """r0 runs a stream that can move and one that cannot (penalties: not continuable

@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import pytest
 
+from dpserve.router.live import Moving
 from dpserve.router.pool import ReplicaState
 from tests.conftest import running_router
 from tests.fake_tokens import GARBAGE, SPLIT_CHAR, expected_text, generate, prompt_ids
@@ -222,7 +223,7 @@ async def test_a_stream_moved_off_a_drained_replica_goes_where_its_weights_are(
         await wait_for(lambda: router.dispatcher.streams.movable("r0"),
                        "the stream on r0, its prompt ids known")
         router.pool.set_state(router.pool.get("r0"), ReplicaState.DRAINING, "test")
-        assert router.dispatcher.streams.evict("r0") == 1
+        assert router.dispatcher.streams.evict("r0") == Moving(migrating=1)
         events = await task
     assert text(events) == expected_text(COMPLETION, 40)
     [seam] = final(events)["dpserve"]["migrations"]
@@ -283,7 +284,7 @@ async def test_a_stream_drained_before_its_first_chunk_starts_over_on_another_re
         await wait_for(lambda: router.dispatcher.streams.movable("r0"),
                        "the stream on r0, before its first chunk")
         router.pool.set_state(router.pool.get("r0"), ReplicaState.DRAINING, "test")
-        assert router.dispatcher.streams.evict("r0") == 1
+        assert router.dispatcher.streams.evict("r0") == Moving(migrating=0, restarting=1)
         events = await task
         await wait_for(lambda: router.pool.get("r0").in_flight == 0, "r0 given up")
         await wait_for(lambda: a.closed_streams == 1, "r0's request abandoned (vLLM aborts)")

@@ -15,6 +15,7 @@ from dpserve.router.adapters import AdapterVersion
 from dpserve.router.app import Router, build_app
 from dpserve.router.breaker import Outcome
 from dpserve.router.canary import CanarySplit
+from dpserve.router.live import Moving
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.workers.follower import Follower
@@ -138,12 +139,16 @@ async def test_evicting_a_replica_moves_the_followers_streams_too():
             self.interrupted.append(error)
 
     async with leader_and_follower() as (lead, _, follow, _):
-        stream: Any = Stream()
-        with follow.dispatcher.streams.running("r0", stream, lambda: True):
-            await wait_for(lambda: lead.dispatcher.streams.movable("r0") == 1,
-                           "the follower's movable stream seen by the leader")
-            assert lead.dispatcher.streams.evict("r0") == 1
-            await wait_for(lambda: Stream.interrupted, "the follower's stream interrupted")
+        started: Any = Stream()
+        waiting: Any = Stream()  # no first chunk yet: it would start over
+        streams = follow.dispatcher.streams
+        with streams.running("r0", started, lambda: True), \
+                streams.running("r0", waiting, lambda: True, restarts=True):
+            await wait_for(lambda: lead.dispatcher.streams.movable("r0").total == 2,
+                           "the follower's movable streams seen by the leader")
+            assert lead.dispatcher.streams.evict("r0") == Moving(migrating=1, restarting=1)
+            await wait_for(lambda: len(Stream.interrupted) == 2,
+                           "the follower's streams interrupted")
 
 
 async def test_adapters_mirror_and_a_retiring_version_waits_for_the_followers_leases():

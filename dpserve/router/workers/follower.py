@@ -183,7 +183,8 @@ class Follower:
                           if (n := r.in_flight - self._elsewhere.get(r.id, 0))},
             "adapters": {v.engine_name: v.in_flight
                          for v in self._router.adapters.versions() if v.in_flight},
-            "movable": {rid: n for rid in streams.replicas() if (n := streams.movable(rid))},
+            "movable": {rid: [n.migrating, n.restarting] for rid in streams.replicas()
+                        if (n := streams.movable(rid))},
             "down": self._down,
             "canary": self._canary_samples(),
         }

@@ -21,6 +21,7 @@ from typing import Any
 from dpserve.router.asgi import Scope
 from dpserve.router.canary import CanarySplit, Sample
 from dpserve.router.errors import error_body
+from dpserve.router.live import NONE_MOVING, Moving
 from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
 from dpserve.router.policies import Journal, shared_memory
 from dpserve.router.pool import Replica
@@ -48,7 +49,8 @@ class _Follower:
     sent_seq: int = 0
     in_flight: dict[str, int] = field(default_factory=dict)
     adapters_in_flight: dict[str, int] = field(default_factory=dict)
-    movable: dict[str, int] = field(default_factory=dict)
+    movable: dict[str, list[int]] = field(default_factory=dict)
+    """Per replica: its streams here that would migrate, and those that would restart."""
     metrics: bytes = b""
     answered: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -144,10 +146,14 @@ class Leader:
                     late, SETTLE_TIMEOUT_S)
 
     # LiveStreams' peers: the streams of a drained replica that run in followers.
-    def movable(self, replica_id: str) -> int:
-        return sum(f.movable.get(replica_id, 0) for f in self._followers.values())
+    def movable(self, replica_id: str) -> Moving:
+        moving = NONE_MOVING
+        for f in self._followers.values():
+            if (counts := f.movable.get(replica_id)) is not None:
+                moving += Moving(*counts)
+        return moving
 
-    def evict(self, replica_id: str) -> int:
+    def evict(self, replica_id: str) -> Moving:
         for follower in self._followers.values():
             follower.channel.send({"op": "evict", "replica": replica_id})
         return self.movable(replica_id)
