@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from dpserve.config import RouterConfig, ServeConfig, parse_lora_spec
+from dpserve.httpclient import control_client
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
 from dpserve.replicas.launcher import (
@@ -80,9 +82,10 @@ class _Signals:
 def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
                  restarter: Restarter | None = None, metrics: RouterMetrics | None = None,
                  default_snapshot_dir: Path | None = None,
-                 adapters: AdapterDeploys | None = None) -> Rollout:
+                 adapters: AdapterDeploys | None = None,
+                 client: httpx.AsyncClient | None = None) -> Rollout:
     """The rolling deploy as `config` sets it up: its snapshot store, checkpoint root,
-    deploy lock and deployed link."""
+    deploy lock and deployed link; `client` (to the engines) is closed with it."""
     snapshot_dir = (Path(config.snapshot_dir) if config.snapshot_dir is not None
                     else default_snapshot_dir)
     return Rollout(
@@ -92,7 +95,7 @@ def make_rollout(pool: ReplicaPool, deployed: Deployed | None, config: RouterCon
                          else None),
         lock=(DeployLock(config.deploy_lock, ttl_s=config.deploy_lock_ttl_s)
               if config.deploy_lock is not None else None),
-        deployed_link=config.deployed_link, adapters=adapters)
+        deployed_link=config.deployed_link, adapters=adapters, client=client)
 
 
 def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, *,
@@ -104,14 +107,19 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
     `warm_up=False` admits replicas without their warm-up request (`rollout.admit`):
     only a benchmark's baseline wants that."""
     metrics = metrics if metrics is not None else RouterMetrics(pool)
+    # One client for the deploy side, built now: built while the router serves, it
+    # would hold up its event loop (`dpserve.httpclient`). Closed by `rollout.aclose`.
+    control = control_client()
     adapters = AdapterDeploys(pool, Adapters(), enabled=config.enable_lora,
-                              max_lora_rank=config.max_lora_rank)
+                              max_lora_rank=config.max_lora_rank, client=control)
     rollout = make_rollout(pool, deployed, config, restarter=restarter, metrics=metrics,
-                           default_snapshot_dir=default_snapshot_dir, adapters=adapters)
+                           default_snapshot_dir=default_snapshot_dir, adapters=adapters,
+                           client=control)
     router = Router(pool, config, metrics=metrics, own_pause=rollout.hot_loading,
                     weight_version=rollout.deployed_version, routes=deploy_routes(rollout),
                     adapters=adapters.adapters,
-                    admit=Admission(then=adapters.admit) if warm_up else adapters.admit)
+                    admit=(Admission(then=adapters.admit, client=control) if warm_up
+                           else adapters.admit))
     rollout.traffic = router.dispatcher
     rollout.streams = router.dispatcher.streams
     return router, rollout

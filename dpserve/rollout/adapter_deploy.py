@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from dpserve.checkpoint import CheckpointMeta, base_fingerprint, fingerprint_of
 from dpserve.config import lora_name_problem
-from dpserve.httpclient import open_client
+from dpserve.httpclient import shared_or_new
 from dpserve.rollout.adapter_rollout import (
     AdapterLoadFailed,
     converge,
@@ -46,13 +45,13 @@ class AdapterDeploys:
     """Adapter deploys against one pool: checks, the load-and-switch, retirements."""
 
     def __init__(self, pool: ReplicaPool, adapters: Adapters, *, enabled: bool,
-                 max_lora_rank: int,
-                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient) -> None:
+                 max_lora_rank: int, client: httpx.AsyncClient | None = None) -> None:
+        """`client`: shared, closed by its owner (None: one per operation)."""
         self._pool = pool
         self.adapters = adapters
         self._enabled = enabled
         self._max_rank = max_lora_rank
-        self._client_factory = client_factory
+        self._client = client
         self._fingerprints: dict[str, str] = {}
         """Base fingerprint per served weights directory (hashing reads every byte)."""
         self._retiring: set[asyncio.Task[None]] = set()
@@ -106,7 +105,7 @@ class AdapterDeploys:
         replicas = list(self._pool)
         previous = self.adapters.current(version.name)
         progress.event(f"loading {version.engine_name} into {len(replicas)} replica(s)")
-        async with await open_client(self._client_factory) as client:
+        async with shared_or_new(self._client) as client:
             try:
                 await load_everywhere(self.adapters, version, replicas,
                                       lambda r: EngineAdmin(client, r.url))
@@ -142,7 +141,7 @@ class AdapterDeploys:
         task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, version: AdapterVersion) -> None:
-        async with await open_client(self._client_factory) as client:
+        async with shared_or_new(self._client) as client:
             await retire(self.adapters, version, lambda: list(self._pool),
                          lambda r: EngineAdmin(client, r.url))
 
@@ -151,7 +150,7 @@ class AdapterDeploys:
         or was down at a deploy); why it cannot be admitted yet, or None."""
         if not self.adapters:
             return None
-        async with await open_client(self._client_factory) as client:
+        async with shared_or_new(self._client) as client:
             try:
                 await converge(self.adapters, replica, EngineAdmin(client, replica.url))
             except EngineAdminError as exc:

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from dpserve.httpclient import open_client
+from dpserve.httpclient import shared_or_new
 from dpserve.rollout.converge import canary_model
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DEFAULT_CANARY_PROMPT
@@ -36,9 +36,10 @@ class Admission:
     """The router's `admit` step: warm-up, then `then` (the adapters), if given."""
 
     def __init__(self, *, then: Admit | None = None,
-                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient | None = None) -> None:
+        """`client`: shared, closed by its owner (None: one per warm-up)."""
         self._then = then
-        self._client_factory = client_factory
+        self._client = client
 
     async def __call__(self, replica: Replica) -> str | None:
         """Why `replica` cannot be admitted yet, or None."""
@@ -49,7 +50,7 @@ class Admission:
 
     async def warm_up(self, replica: Replica) -> str | None:
         t0 = time.monotonic()
-        async with await open_client(self._client_factory) as client:
+        async with shared_or_new(self._client) as client:
             try:
                 await EngineAdmin(client, replica.url).canary(canary_model(replica),
                                                               DEFAULT_CANARY_PROMPT)

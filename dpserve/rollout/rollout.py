@@ -46,7 +46,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
-from dpserve.httpclient import open_client
+from dpserve.httpclient import shared_or_new
 from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.canary_phase import Traffic
@@ -105,13 +104,14 @@ class Rollout:
                  restarter: Restarter | None = None,
                  metrics: RouterMetrics | None = None,
                  reload_timeout_s: float = RELOAD_TIMEOUT_S,
-                 client_factory: Callable[[], httpx.AsyncClient] = httpx.AsyncClient,
+                 client: httpx.AsyncClient | None = None,
                  adapters: AdapterDeploys | None = None) -> None:
         """`snapshots`: where checkpoints are copied before they are checked (without one,
         deploys are refused). `checkpoint_root`: deployable checkpoints lie inside it
         (default: the served model's parent). `lock`: held (shared by every router) for
         the whole of each deploy. `deployed_link`: a symlink pointed at each checkpoint
-        whose deploy succeeded (see point_link)."""
+        whose deploy succeeded (see point_link). `client`: to the engines, closed by
+        `aclose` (None: one per deploy)."""
         self._pool = pool
         self._metrics = metrics
         self._deployed = deployed
@@ -121,7 +121,7 @@ class Rollout:
         self.deployed_link = deployed_link
         self._restarter = restarter
         self._reload_timeout_s = reload_timeout_s
-        self._client_factory = client_factory
+        self._client = client
         self.adapters = adapters
         """Adapter deploys (`start(..., name=)`); None: the router serves none."""
         self._history: collections.OrderedDict[str, DeployProgress] = collections.OrderedDict()
@@ -259,6 +259,8 @@ class Rollout:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._client is not None:
+            await self._client.aclose()
 
     def _validate(self, ckpt_dir: Path) -> Weights:
         """Snapshot the checkpoint into the store, then check the snapshot: what passes is
@@ -337,7 +339,7 @@ class Rollout:
         progress.event(f"rolling out {target.version} (was {previous.version}) to "
                        f"{len(self._pool)} replica(s), {options.batch} at a time")
         try:
-            async with await open_client(self._client_factory) as client:
+            async with shared_or_new(self._client) as client:
                 convergence = Convergence(
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
