@@ -247,7 +247,7 @@ def verdict(shape: str, which: str, rows: list[Rolled]) -> None:
           + (f" (failed: {dict(Counter(failed))})" if failed else ""))
 
 
-def report(results: list[Rolled]) -> None:
+def report(results: list[Rolled], args: argparse.Namespace) -> None:
     rows = [("load", "admission", "deploy", "time", "per replica", "failed", "aborted",
              "TTFT p50 ms", "TTFT p99 ms", "p99 ratio", "req/s", "throughput", "requests")]
     for r in results:
@@ -279,8 +279,9 @@ def report(results: list[Rolled]) -> None:
         base = r.offered if r.offered is not None else r.steady_rate
         missed = (p99 is not None and steady and p99 > P99_RATIO_TARGET * steady) or (
             base and r.rate < THROUGHPUT_TARGET * base)
-        if missed and r.deploy.events:
-            print(f"{r.load} {r.admission} {r.deploy.label} (missed a target), its events:")
+        if (missed or args.events) and r.deploy.events:
+            print(f"{r.load} {r.admission} {r.deploy.label}"
+                  f"{' (missed a target)' if missed else ''}, its events:")
             for event in r.deploy.events:
                 print(f"    {event}")
     print()
@@ -332,6 +333,8 @@ def main() -> int:
     p.add_argument("--fleets", type=int, default=1,
                    help="fresh fleets per load shape and admission (each has one first "
                         "deploy; the verdicts pool them)")
+    p.add_argument("--events", action="store_true",
+                   help="print every deploy's timed events (default: those that missed a target)")
     p.add_argument("--restart", action="store_true",
                    help="the last fleet also rolls by restarting each replica (minutes here)")
     args = p.parse_args()
@@ -342,7 +345,7 @@ def main() -> int:
         results = uvloop.run(run(args))
     except KeyboardInterrupt:
         return 130
-    report(results)
+    report(results, args)
     return 0
 
 
