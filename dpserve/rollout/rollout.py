@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import secrets
 import time
@@ -66,7 +65,8 @@ from dpserve.rollout.deployed import (
     point_deployed_link,
 )
 from dpserve.rollout.engine_admin import RELOAD_TIMEOUT_S
-from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
+from dpserve.rollout.lease import Lease
+from dpserve.rollout.lock import DeployLock, LockHeld
 from dpserve.rollout.progress import (
     DeployOptions,
     DeployProgress,
@@ -129,12 +129,10 @@ class Rollout:
         self._task: asyncio.Task[None] | None = None
         self._served: ModelFingerprint | None = None
         self._hot_loading: set[str] = set()
-        self._lock_lost: str | None = None
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
         self.streams: LiveStreams | None = None
         """The router's migratable streams (set by `compose`)."""
-        """Why the deploy lock was lost during the deploy in progress, if it was."""
         self._recent: collections.deque[str] = collections.deque(maxlen=2)
         """Snapshots most recently deployed (kept by the store's prune for rollbacks)."""
 
@@ -194,35 +192,31 @@ class Rollout:
             quality.gate_for, options, replicas=n,
             root=self._checkpoint_root or Path(self._deployed.base.path).parent)
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        if self._lock is not None:
-            try:
-                await asyncio.to_thread(self._lock.acquire, deploy_id)
-            except LockHeld as exc:
-                raise Refused(409, str(exc)) from None
+        lease = Lease(self._lock)
+        try:
+            await lease.take(deploy_id)
+        except LockHeld as exc:
+            raise Refused(409, str(exc)) from None
         progress = DeployProgress(id=deploy_id, checkpoint=checkpoint, options=asdict(options))
         self._active = progress
         self._history[progress.id] = progress
         while len(self._history) > HISTORY:
             self._history.popitem(last=False)
-        self._lock_lost = None
-        # Renewed from the moment it is taken: copying and checking a large checkpoint
-        # can outlast the lock's time to live.
-        renewing = (asyncio.create_task(self._renew_lock(progress), name="dpserve-deploy-lock")
-                    if self._lock is not None else None)
+        lease.keep(progress)
         progress.event(f"validating {checkpoint}")
         try:
             target: Weights | AdapterVersion = await asyncio.to_thread(
                 self._validate if name is None else partial(self._validate_adapter, name),
                 Path(checkpoint))
-            if self._lock_lost is not None:
+            if lease.lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
-                                   f"({self._lock_lost}); nothing was changed")
+                                   f"({lease.lost}); nothing was changed")
         except Exception as exc:
             refused = isinstance(exc, Refused)
             progress.finish(DeployState.REFUSED if refused else DeployState.FAILED,
                             exc.message if isinstance(exc, Refused)
                             else f"validation crashed: {exc!r}")
-            await self._end_lock(renewing)
+            await lease.end()
             await asyncio.to_thread(self._prune_snapshots)
             raise
         progress.version = target.version
@@ -234,14 +228,14 @@ class Rollout:
             current = self.adapters.adapters.current(target.name) if self.adapters else None
             progress.adapter = target.name
             progress.previous_version = current.version if current is not None else None
-            work = self._deploy_adapter(progress, target, renewing)
+            work = self._deploy_adapter(progress, target, lease)
         else:
             progress.previous_version = self._deployed.current.version
             if options.drop_adapters and self.adapters is not None:
                 for version in self.adapters.withdraw_all():
                     progress.event(f"adapter {version.name} no longer served (was "
                                    f"{version.version}); unloaded once its requests end")
-            work = self._deploy(progress, target, options, renewing, gate)
+            work = self._deploy(progress, target, options, lease, gate)
         self._task = asyncio.create_task(work, name=f"dpserve-deploy-{progress.id}")
         return progress
 
@@ -315,7 +309,7 @@ class Rollout:
                                       served_weights=served)
 
     async def _deploy_adapter(self, progress: DeployProgress, target: AdapterVersion,
-                              renewing: asyncio.Task[None] | None) -> None:
+                              lease: Lease) -> None:
         assert self.adapters is not None
         try:
             state = await self.adapters.run(progress, target)
@@ -327,11 +321,11 @@ class Rollout:
             log.exception("deploy %s crashed", progress.id)
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
-            await self._end_lock(renewing)
+            await lease.end()
             await asyncio.to_thread(self._prune_snapshots)
 
     async def _deploy(self, progress: DeployProgress, target: Weights,
-                   options: DeployOptions, renewing: asyncio.Task[None] | None,
+                   options: DeployOptions, lease: Lease,
                    gate: quality.Gate | None) -> None:
         assert self._deployed is not None
         previous = self._deployed.current
@@ -343,7 +337,7 @@ class Rollout:
                 convergence = Convergence(
                     self._pool, progress, options, client, restarter=self._restarter,
                     metrics=self._metrics, reload_timeout_s=self._reload_timeout_s,
-                    hot_loading=self._hot_loading, lock_lost=lambda: self._lock_lost,
+                    hot_loading=self._hot_loading, lock_lost=lambda: lease.lost,
                     gate=gate, traffic=self.traffic, streams=self.streams)
                 error = await convergence.forward(target)
                 if error is None:
@@ -367,7 +361,7 @@ class Rollout:
             self._deployed.current = previous
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
-            await self._end_lock(renewing)
+            await lease.end()
             await asyncio.to_thread(self._prune_snapshots)
 
     def _prune_snapshots(self) -> None:
@@ -383,35 +377,6 @@ class Rollout:
                 log.info("removed snapshot %s", path)
         except OSError as exc:
             log.warning("could not prune the snapshot store %s: %s", self._snapshots.root, exc)
-
-    async def _renew_lock(self, progress: DeployProgress) -> None:
-        """Renew the lock until cancelled; if it was lost (taken over), note why and stop:
-        the deploy aborts at its next step (`_lock_lost`)."""
-        assert self._lock is not None
-        while True:
-            await asyncio.sleep(self._lock.renew_every_s)
-            try:
-                await asyncio.to_thread(self._lock.renew)
-            except LockLost as exc:
-                self._lock_lost = str(exc)
-                progress.event(f"deploy lock lost: {exc}; aborting", level=logging.ERROR)
-                return
-            except OSError as exc:  # storage hiccup: the lock may still be ours, try again
-                progress.event(f"deploy lock: could not renew: {exc}", level=logging.ERROR)
-
-    async def _end_lock(self, renewing: asyncio.Task[None] | None) -> None:
-        if renewing is not None:
-            renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewing
-        await self._release_lock()  # a lock taken over is left alone (DeployLock.release)
-
-    async def _release_lock(self) -> None:
-        if self._lock is not None:
-            try:
-                await asyncio.to_thread(self._lock.release)
-            except OSError as exc:
-                log.warning("could not release the deploy lock %s: %s", self._lock.path, exc)
 
     def _finish(self, progress: DeployProgress, state: DeployState,
                 error: str | None = None) -> None:

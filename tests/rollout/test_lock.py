@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
+from dpserve.rollout.lease import Lease
 from dpserve.rollout.lock import DeployLock, LockHeld, LockLost
+from dpserve.rollout.progress import DeployProgress
+from tests.waiting import wait_for
 
 
 class Clock:
@@ -72,3 +76,22 @@ def test_an_unreadable_lock_file_expires_a_ttl_after_it_was_written(tmp_path):
     clock.now += 60
     b.acquire("d2")
     assert b.read().holder == "router-b"
+
+
+async def test_a_deploy_whose_lock_was_taken_over_learns_why_and_leaves_the_new_holder_be(
+        tmp_path):
+    """The deploy's lease renews in the background; once another router holds the file
+    (this one's renewals stopped for a ttl), the lease says why, the deploy's record
+    says it is aborting, and ending the lease does not remove the other's lock."""
+    path = tmp_path / "deploy.lock"
+    lease = Lease(DeployLock(path, ttl_s=1.5, holder="router-a"))  # renewed every 0.5 s
+    progress = DeployProgress(id="d1", checkpoint="ckpt", options={})
+    await lease.take("d1")
+    lease.keep(progress)
+    path.write_text(json.dumps({"holder": "router-b", "deploy": "d2",
+                                "expires_at": time.time() + 60}))  # b took it over
+    await wait_for(lambda: lease.lost is not None, "the lease lost", within_s=5)
+    assert "no longer held by this router" in (lease.lost or "")
+    assert any("deploy lock lost" in e for e in progress.events), progress.events
+    await lease.end()
+    assert json.loads(path.read_text())["holder"] == "router-b"
