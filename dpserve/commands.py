@@ -186,7 +186,10 @@ def _add_deploy(sub: Subparsers) -> None:
                              "(default 0.01: one point)")
     canary.add_argument("--canary-max-ttft-ratio", type=float,
                         help="roll back if its TTFT p50 or p90 exceeds the others' by this "
-                             "factor (default 1.5)")
+                             "factor (default 1.5) and by more than --canary-ttft-slack-ms")
+    canary.add_argument("--canary-ttft-slack-ms", type=float, metavar="MS",
+                        help="a TTFT this close to the others' is never a regression, "
+                             "whatever the ratio (default 20)")
     canary.add_argument("--canary-min-requests", type=int,
                         help="roll back if it served fewer requests (default 10)")
     deploy.add_argument("--no-mixed-versions", action="store_true", default=None,

@@ -49,6 +49,7 @@ async def run_canary(traffic: Traffic, replica: Replica, options: DeployOptions,
     reason = compare(split, Thresholds(
         max_error_rate_delta=options.canary_max_error_rate_delta,
         max_ttft_ratio=options.canary_max_ttft_ratio,
+        ttft_slack_ms=options.canary_ttft_slack_ms,
         min_requests=options.canary_min_requests))
     record["passed"] = reason is None
     progress.event(f"{replica.id}: canary {'passed' if reason is None else 'failed'}: "

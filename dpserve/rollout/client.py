@@ -328,7 +328,8 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
                         "no_mixed_versions", "gate_metric", "gate_min_score",
                         "gate_vs_current", "gate_margin", "canary_weight",
                         "canary_duration_s", "canary_max_error_rate_delta",
-                        "canary_max_ttft_ratio", "canary_min_requests")
+                        "canary_max_ttft_ratio", "canary_ttft_slack_ms",
+                        "canary_min_requests")
                        if getattr(ns, name, None) is not None}
             if eval_data is not None:
                 options["eval_data"] = eval_data

@@ -38,6 +38,7 @@ NUMBERS: tuple[tuple[str, type, float, float, bool], ...] = (
     ("canary_duration_s", float, 0.0, MAX_WAIT_S, True),
     ("canary_max_error_rate_delta", float, 0.0, 1.0, False),
     ("canary_max_ttft_ratio", float, 1.0, 1e6, False),
+    ("canary_ttft_slack_ms", float, 0.0, 1e6, False),
     ("canary_min_requests", int, 1, 1_000_000, False),
 )
 """Numeric fields of a deploy: type, bounds, whether the bounds are excluded. Every
@@ -49,7 +50,7 @@ DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_
                  "name", "drop_adapters", "no_mixed_versions", "eval_data", "gate_metric",
                  "gate_min_score", "gate_vs_current", "gate_margin", "canary_weight",
                  "canary_duration_s", "canary_max_error_rate_delta", "canary_max_ttft_ratio",
-                 "canary_min_requests")
+                 "canary_ttft_slack_ms", "canary_min_requests")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -103,6 +104,8 @@ class DeployOptions:
     canary_duration_s: float = 60.0
     canary_max_error_rate_delta: float = 0.01
     canary_max_ttft_ratio: float = 1.5
+    canary_ttft_slack_ms: float = 20.0
+    """TTFT within this many ms of the others' is never a regression, whatever the ratio."""
     canary_min_requests: int = 10
 
     @property

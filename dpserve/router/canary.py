@@ -82,7 +82,10 @@ class Thresholds:
     max_error_rate_delta: float
     """The canary's error rate may exceed the others' by at most this (0.01: 1 point)."""
     max_ttft_ratio: float
-    """Its TTFT p50 and p90 may be at most this many times the others'."""
+    """Its TTFT p50 and p90 may be at most this many times the others'..."""
+    ttft_slack_ms: float
+    """...or at most this many milliseconds above them: a millisecond or two is noise,
+    not a regression, however large the ratio (2 ms against 1 ms)."""
     min_requests: int
     """Fewer canary requests than this judge nothing: the deploy is rolled back."""
 
@@ -98,7 +101,9 @@ def compare(split: CanarySplit, limits: Thresholds) -> str | None:
                 f"the others (more than {limits.max_error_rate_delta:.1%} points worse)")
     for p in (50, 90):
         mine, theirs = c.percentile_ms(p), o.percentile_ms(p)
-        if mine is not None and theirs and mine > limits.max_ttft_ratio * theirs:
+        if (mine is not None and theirs and mine > limits.max_ttft_ratio * theirs
+                and mine - theirs > limits.ttft_slack_ms):
             return (f"TTFT p{p} {mine:.0f} ms on the canary against {theirs:.0f} ms on the "
-                    f"others (more than {limits.max_ttft_ratio:g}x)")
+                    f"others (more than {limits.max_ttft_ratio:g}x and "
+                    f"{limits.ttft_slack_ms:g} ms slower)")
     return None

@@ -46,6 +46,9 @@ def test_the_weight_sets_the_canarys_share_of_first_attempts_only():
     ([(Outcome.SERVER_ERROR, None)] * 2 + [(Outcome.SUCCESS, 0.1)] * 8,
      [(Outcome.SUCCESS, 0.1)] * 10, "error rate 20.0% on the canary against 0.0%"),
     ([(Outcome.SUCCESS, 0.3)] * 10, [(Outcome.SUCCESS, 0.1)] * 10, "TTFT p50 300 ms"),
+    # twice as slow, but by 1 ms: noise at this scale, under the 20 ms slack
+    ([(Outcome.SUCCESS, 0.002)] * 10, [(Outcome.SUCCESS, 0.001)] * 10, None),
+    ([(Outcome.SUCCESS, 0.025)] * 10, [(Outcome.SUCCESS, 0.001)] * 10, "and 20 ms slower"),
     ([(Outcome.CLIENT_ERROR, None)] * 5 + [(Outcome.SUCCESS, 0.1)] * 5,
      [(Outcome.SUCCESS, 0.1)] * 10, None),  # bad requests are not the replica's fault
 ])
@@ -56,7 +59,7 @@ def test_the_canary_is_judged_against_the_others(canary, others, reason):
     for outcome, ttfb in others:
         split.record("r1", outcome, ttfb)
     got = compare(split, Thresholds(max_error_rate_delta=0.05, max_ttft_ratio=2.0,
-                                    min_requests=3))
+                                    ttft_slack_ms=20, min_requests=3))
     assert (got is None) if reason is None else (got is not None and reason in got)
 
 
@@ -137,8 +140,10 @@ async def test_dpserve_deploy_shows_the_canary_as_it_runs(fake_replicas, tiny_mo
     ({"canary_weight": 10, "canary_duration_s": 0}, "canary_duration_s", "in (0,"),
     ({"canary_duration_s": 30}, "canary_weight", "need canary_weight"),
     ({"canary_weight": 10, "canary_max_ttft_ratio": 0.5}, "canary_max_ttft_ratio", "1..1e+06"),
+    ({"canary_weight": 10, "canary_ttft_slack_ms": -1}, "canary_ttft_slack_ms", "0..1e+06"),
     ({"canary_weight": 10, "canary_min_requests": 2.5}, "canary_min_requests", "an integer"),
-], ids=["zero", "hundred", "no-duration", "no-weight", "ratio-below-1", "fractional"])
+], ids=["zero", "hundred", "no-duration", "no-weight", "ratio-below-1", "negative-slack",
+         "fractional"])
 async def test_bad_canary_options_are_refused_and_change_nothing(
         fake_replicas, tiny_model, checkpoint, options, param, message):
     async with fleet(fake_replicas, tiny_model, 2) as f:
