@@ -46,7 +46,6 @@ import logging
 import secrets
 import time
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,13 +73,8 @@ from dpserve.rollout.progress import (
     ReplicaProgress,
 )
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
-from dpserve.rollout.validate import (
-    ModelFingerprint,
-    Refused,
-    fingerprint,
-    refused,
-    validate_checkpoint,
-)
+from dpserve.rollout.validate import Refused, refused
+from dpserve.rollout.validate_proc import Job, check_in_child
 from dpserve.router.adapters import AdapterVersion
 from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool
@@ -127,7 +121,6 @@ class Rollout:
         self._history: collections.OrderedDict[str, DeployProgress] = collections.OrderedDict()
         self._active: DeployProgress | None = None
         self._task: asyncio.Task[None] | None = None
-        self._served: ModelFingerprint | None = None
         self._hot_loading: set[str] = set()
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
@@ -205,9 +198,9 @@ class Rollout:
         lease.keep(progress)
         progress.event(f"validating {checkpoint}")
         try:
-            target: Weights | AdapterVersion = await asyncio.to_thread(
-                self._validate if name is None else partial(self._validate_adapter, name),
-                Path(checkpoint))
+            target: Weights | AdapterVersion = (
+                await self._validate(Path(checkpoint)) if name is None else
+                await asyncio.to_thread(self._validate_adapter, name, Path(checkpoint)))
             if lease.lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
                                    f"({lease.lost}); nothing was changed")
@@ -256,18 +249,15 @@ class Rollout:
         if self._client is not None:
             await self._client.aclose()
 
-    def _validate(self, ckpt_dir: Path) -> Weights:
+    async def _validate(self, ckpt_dir: Path) -> Weights:
         """Snapshot the checkpoint into the store, then check the snapshot: what passes is
-        what the engines will load, byte for byte."""
+        what the engines will load, byte for byte. In a child process
+        (`validate_proc`): it reads every byte, and the router's loop keeps its GIL."""
         assert self._deployed is not None and self._snapshots is not None
-        base = Path(self._deployed.base.path)
-        if self._served is None:
-            if not base.is_dir():
-                raise Refused(409, f"the served model {self._deployed.base.path} is not a local "
-                                   "directory, so a checkpoint cannot be checked against it")
-            self._served = fingerprint(base)
-        snapshot, meta = self._take_snapshot(ckpt_dir)
-        meta = validate_checkpoint(snapshot, self._served, meta)
+        root = self._checkpoint_root or Path(self._deployed.base.path).parent
+        snapshot, meta = await check_in_child(Job(
+            checkpoint=str(ckpt_dir), within=str(root),
+            base=self._deployed.base.path, store=str(self._snapshots.root)))
         weights = checkpoint_weights(snapshot, meta)
         if self.adapters is not None:
             self.adapters.know_weights(weights.path, meta)

@@ -263,7 +263,8 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
                         meta: CheckpointMeta | None = None) -> CheckpointMeta:
     """All the checks above, cheapest refusal first after integrity; returns the metadata.
     `meta` given: integrity was checked already (a snapshot, hashed as it was copied).
-    Reads every byte of the checkpoint: run it in a thread."""
+    Reads every byte of the checkpoint: the router runs it in a child process
+    (`validate_proc`)."""
     ckpt_dir = Path(ckpt_dir)
     if meta is None:
         if not ckpt_dir.is_dir():

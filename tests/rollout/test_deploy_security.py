@@ -207,16 +207,15 @@ async def test_an_oversized_admin_body_is_a_413(fake_replicas, tiny_model):
 
 async def test_the_lock_is_renewed_while_a_slow_checkpoint_is_validated(
         fake_replicas, tiny_model, checkpoint, tmp_path, monkeypatch):
-    from dpserve.rollout import snapshot
+    from dpserve.rollout import rollout
 
-    original = snapshot.SnapshotStore.take
+    original = rollout.check_in_child
 
-    def slow_take(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        import time
-        time.sleep(1.5)  # a large checkpoint: longer than the lock's time to live
-        return original(self, *args, **kwargs)
+    async def slow_check(job):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(1.5)  # a large checkpoint: longer than the lock's time to live
+        return await original(job)
 
-    monkeypatch.setattr(snapshot.SnapshotStore, "take", slow_take)
+    monkeypatch.setattr(rollout, "check_in_child", slow_check)
     lock = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     rival = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     async with fleet(fake_replicas, tiny_model, 2, deploy_lock=str(lock.path),
