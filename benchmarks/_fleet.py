@@ -87,6 +87,7 @@ async def fleet(model: Path, work: Path, replicas: int, *, checkpoint_root: Path
         print(f"starting {replicas} replicas of {model}"
               + (" with LoRA" if enable_lora else "") + f" (logs in {work}/runs)", flush=True)
         await supervisor.start()
+        await rollout.prepare()  # as `dpserve serve` does
         await wait_until(lambda: len(pool.ready()) == len(pool), READY_WITHIN_S, "ready fleet")
         yield Fleet(cfg, pool, deployed, supervisor, rollout,
                     f"http://127.0.0.1:{router_cfg.port}")

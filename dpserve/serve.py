@@ -169,6 +169,7 @@ async def run_router(config: RouterConfig, replica_urls: list[str],
     workers = (start_workers(router, server.config.app, config, sockets[0])
                if config.workers > 1 else None)
     try:
+        await rollout.prepare()
         serving = asyncio.create_task(server.serve(sockets=sockets), name="dpserve-router")
         if config.loras:
             problem = await deploy_start_adapters(rollout, pool, config)
@@ -229,6 +230,7 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
         if config.router.workers > 1:
             workers = start_workers(router, server.config.app, config.router, sockets[0])
         starting = asyncio.create_task(supervisor.start(), name="dpserve-start")
+        await rollout.prepare()
         stopped = asyncio.create_task(signals.stop.wait())
         done, _ = await asyncio.wait({serving, starting, stopped},
                                      return_when=asyncio.FIRST_COMPLETED)

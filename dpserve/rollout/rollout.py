@@ -74,7 +74,7 @@ from dpserve.rollout.progress import (
 )
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
 from dpserve.rollout.validate import Refused, refused
-from dpserve.rollout.validate_proc import Job, check_in_child
+from dpserve.rollout.validate_proc import Checker, Job
 from dpserve.router.adapters import AdapterVersion
 from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool
@@ -122,6 +122,7 @@ class Rollout:
         self._active: DeployProgress | None = None
         self._task: asyncio.Task[None] | None = None
         self._hot_loading: set[str] = set()
+        self._checker = Checker()
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
         self.streams: LiveStreams | None = None
@@ -232,6 +233,16 @@ class Rollout:
         self._task = asyncio.create_task(work, name=f"dpserve-deploy-{progress.id}")
         return progress
 
+    async def prepare(self) -> None:
+        """Start the process that checks checkpoints, before a deploy needs it (each
+        deploy would otherwise pay its start-up while the engines keep the cores busy).
+        A failure is logged; the first deploy tries again."""
+        if self._snapshots is not None:
+            try:
+                await self._checker.start()
+            except OSError as exc:
+                log.warning("cannot start the checkpoint-checking process yet: %s", exc)
+
     async def wait(self) -> None:
         """Until the deploy in progress (if any) has ended."""
         if self._task is not None:
@@ -246,6 +257,7 @@ class Rollout:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        await self._checker.aclose()
         if self._client is not None:
             await self._client.aclose()
 
@@ -255,7 +267,7 @@ class Rollout:
         (`validate_proc`): it reads every byte, and the router's loop keeps its GIL."""
         assert self._deployed is not None and self._snapshots is not None
         root = self._checkpoint_root or Path(self._deployed.base.path).parent
-        snapshot, meta = await check_in_child(Job(
+        snapshot, meta = await self._checker.check(Job(
             checkpoint=str(ckpt_dir), within=str(root),
             base=self._deployed.base.path, store=str(self._snapshots.root)))
         weights = checkpoint_weights(snapshot, meta)

@@ -207,15 +207,15 @@ async def test_an_oversized_admin_body_is_a_413(fake_replicas, tiny_model):
 
 async def test_the_lock_is_renewed_while_a_slow_checkpoint_is_validated(
         fake_replicas, tiny_model, checkpoint, tmp_path, monkeypatch):
-    from dpserve.rollout import rollout
+    from dpserve.rollout.validate_proc import Checker
 
-    original = rollout.check_in_child
+    original = Checker.check
 
-    async def slow_check(job):  # type: ignore[no-untyped-def]
+    async def slow_check(self, job):  # type: ignore[no-untyped-def]
         await asyncio.sleep(1.5)  # a large checkpoint: longer than the lock's time to live
-        return await original(job)
+        return await original(self, job)
 
-    monkeypatch.setattr(rollout, "check_in_child", slow_check)
+    monkeypatch.setattr(Checker, "check", slow_check)
     lock = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     rival = DeployLock(tmp_path / "deploy.lock", ttl_s=0.6)
     async with fleet(fake_replicas, tiny_model, 2, deploy_lock=str(lock.path),
