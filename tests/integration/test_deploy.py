@@ -352,7 +352,7 @@ def test_a_checkpoint_below_the_quality_gate_is_rolled_back_with_both_scores(fle
     assert f.versions() == [f.base_version] * 2
 
 
-def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fleet: Fleet):
+def test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fleet: Fleet):
     f = fleet
     ids = prompt_ids(f)
     urls = [r["url"] for r in f.replicas()]
@@ -362,12 +362,16 @@ def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fl
             completion(url, p)
     assert all(replica_metric(u, "vllm:prefix_cache_hits_total") > 0 for u in urls)
 
+    # The quality gate passes it: the demo's held-out questions, scored by the engines,
+    # no worse than the current version's.
+    eval_file = f.work / "heldout-gate-pass.jsonl"
+    shutil.copyfile(demo_data.path(demo_data.HELDOUT_FILE), eval_file)
     with background_load(f.d.base_url, workers=4) as load:
         before = load.ok
         cli = subprocess.run(
             [sys.executable, "-m", "dpserve", "deploy", str(f.finetuned),
-             "--router", f.d.base_url], capture_output=True, text=True, timeout=300,
-            env=offline_env())
+             "--router", f.d.base_url, "--eval", str(eval_file), "--gate-vs-current"],
+            capture_output=True, text=True, timeout=300, env=offline_env())
         served_during = load.ok - before
         wait_for_sync(lambda: load.ok >= before + served_during + 8, "requests after the deploy",
                       within_s=60)
@@ -376,6 +380,9 @@ def test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint(fl
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "succeeded in" in cli.stdout
     assert "r0   done" in cli.stdout and "r1   done" in cli.stdout
+    gate = [ln for ln in cli.stdout.splitlines() if ln.strip().startswith("eval candidate")]
+    assert gate and gate[-1].endswith("; gate passed"), cli.stdout
+    assert "45 examples" in gate[-1] and " · current " in gate[-1]
     assert load.failures == [] and served_during > 0
     assert f.versions() == [version, version] and f.all_ready()
     metrics = httpx.get(f.d.base_url + "/metrics").text
