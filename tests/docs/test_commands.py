@@ -111,7 +111,7 @@ RUN_BY = {
     ("dpserve", "export-merged"): "tests/integration/test_finetune_serving.py::"
                                   "test_a_merged_lora_adapter_is_served_by_vllm_as_peft_runs_the_adapter",
     ("dpserve", "deploy"): "tests/integration/test_deploy.py::"
-                           "test_a_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
+                           "test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
     ("dpserve", "status"): "tests/rollout/test_client.py::"
                            "test_deploy_prints_each_replica_and_exits_0",
     ("dpserve", "demo"): "tests/integration/test_demo.py::"
