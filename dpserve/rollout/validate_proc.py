@@ -32,7 +32,7 @@ from typing import Any
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
 from dpserve.rollout.validate import Refused, fingerprint, refused, validate_checkpoint
-from dpserve.settings import ENV_PREFIX
+from dpserve.settings import without_settings
 
 STDERR_TAIL = 2000
 """Characters of a crashed child's stderr kept in the error."""
@@ -67,15 +67,22 @@ def check_full_checkpoint(job: Job) -> tuple[Path, CheckpointMeta]:
         raise Refused(409, f"the served model {job.base} is not a local directory, so a "
                            "checkpoint cannot be checked against it")
     served = fingerprint(base)
+    snapshot, meta = take_snapshot(SnapshotStore(Path(job.store)), Path(job.checkpoint),
+                                   within=Path(job.within))
+    return snapshot, validate_checkpoint(snapshot, served, meta)
+
+
+def take_snapshot(store: SnapshotStore, ckpt_dir: Path, *,
+                  within: Path) -> tuple[Path, CheckpointMeta]:
+    """Copy `ckpt_dir` (inside `within`) into `store`, checking its manifest and every
+    file's sha256 on the way. Refused (403 outside the root, 422 unsound) otherwise."""
     try:
-        snapshot, meta = SnapshotStore(Path(job.store)).take(Path(job.checkpoint),
-                                                              within=Path(job.within))
+        return store.take(ckpt_dir, within=within)
     except OutsideRoot as exc:
         raise refused(403, f"{exc} (set --checkpoint-root to deploy from elsewhere)"
                       ) from None
     except (CheckpointError, OSError) as exc:
         raise refused(422, str(exc)) from None
-    return snapshot, validate_checkpoint(snapshot, served, meta)
 
 
 class Checker:
@@ -100,7 +107,7 @@ class Checker:
             self._proc = await asyncio.create_subprocess_exec(
                 *self._command, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=child_environment(os.environ), limit=MAX_ANSWER_BYTES)
+                env=without_settings(os.environ), limit=MAX_ANSWER_BYTES)
             self._reading = asyncio.create_task(self._keep_stderr(self._proc))
 
     async def check(self, job: Job) -> tuple[Path, CheckpointMeta]:
@@ -159,12 +166,6 @@ class Checker:
         assert proc.stderr is not None
         while line := await proc.stderr.readline():
             self._stderr.append(line.decode("utf-8", "replace"))
-
-
-def child_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The router's environment less dpserve's settings: those hold the API and admin
-    keys, which a process that reads untrusted files has no use for."""
-    return {k: v for k, v in environ.items() if not k.startswith(ENV_PREFIX)}
 
 
 def _answer(job: dict[str, Any]) -> dict[str, Any]:

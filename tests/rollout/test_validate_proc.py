@@ -13,7 +13,7 @@ import pytest
 
 from dpserve.rollout.deployed import checkpoint_weights, weights_for
 from dpserve.rollout.validate import Refused
-from dpserve.rollout.validate_proc import Checker, Job, ValidationCrashed, child_environment
+from dpserve.rollout.validate_proc import Checker, Job, ValidationCrashed
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.waiting import wait_for_sync
 
@@ -116,7 +116,17 @@ async def test_a_cancelled_check_kills_and_reaps_its_child(tiny_model, tmp_path)
     await checker.aclose()
 
 
-def test_the_child_gets_none_of_dpserves_settings():
-    env = child_environment({"PATH": "/usr/bin", "DPSERVE_ADMIN_KEY": "s3cret",
-                             "DPSERVE_API_KEYS": "a,b", "HOME": "/root"})
-    assert env == {"PATH": "/usr/bin", "HOME": "/root"}
+async def test_the_child_gets_none_of_dpserves_settings(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSERVE_ADMIN_KEY", "s3cret")
+    monkeypatch.setenv("DPSERVE_API_KEYS", "a,b")
+    shows_its_settings = (
+        sys.executable, "-c", "import os, sys; sys.stdin.readline(); sys.stderr.write("
+        "'settings: ' + ','.join(sorted(k for k in os.environ if k.startswith('DPSERVE'))) "
+        "+ '; PATH' * ('PATH' in os.environ)); sys.exit(1)")
+    checker = Checker(command=shows_its_settings)
+    try:
+        with pytest.raises(ValidationCrashed) as crashed:
+            await checker.check(job(tmp_path, tiny_model, tmp_path, tmp_path / "store"))
+    finally:
+        await checker.aclose()
+    assert str(crashed.value).endswith("settings: ; PATH")  # the rest of the env is kept
