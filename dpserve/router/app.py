@@ -105,6 +105,9 @@ class Router:
         self.scraper = (EngineScraper(pool, config, self.control)
                         if "engine_load" in self.policy.needs else None)
         self.routes = list(routes)
+        self.lagging_workers: Callable[[], list[int]] = list
+        """Data-plane workers still routing on a table from before the pool last became
+        ready (set by the workers' leader): `/ready` waits for them."""
         endpoint = config.otlp_traces_endpoint
         self.tracing = (Tracing(endpoint, Counter(
             "dpserve_trace_export_failures_total",
@@ -157,6 +160,9 @@ def build_app(router: Router) -> DataPlaneFront:
         n = len(router.pool.ready())
         if n == 0:
             return error_response(503, "no replica is ready")
+        if lagging := router.lagging_workers():
+            return error_response(503, f"router worker(s) {lagging} have not yet applied "
+                                  "the replica table")
         return JSONResponse({"status": "ready", "replicas_ready": n,
                              "replicas_total": len(router.pool)})
 

@@ -206,3 +206,42 @@ async def test_with_the_shared_work_table_workers_spread_as_one_process_would():
                     RequestInfo(route="/v1/completions", prefix=f"prompt {i}"), ()) as slot:
                 picks.append(slot.replica.id)
     assert all(picks[i] not in picks[i - 7:i] for i in range(7, 32)), picks  # round robin
+
+
+async def test_ready_waits_for_a_follower_whose_table_had_no_replica_ready():
+    """A follower serving on a table from before the pool was ready would refuse every
+    request it takes, so /ready (what a load balancer sends traffic by) waits for it."""
+    pool = ReplicaPool([Replica(id="r0", url="http://127.0.0.1:9", weight_version="v1")])
+    lead = Router(pool, RouterConfig())
+    app = build_app(lead)
+    leader = Leader(lead, app)
+    ours, theirs = socket.socketpair()
+    leader.attach(1, await Channel.open(ours))  # attached while nothing is ready
+    probe = {"scope": {"http_version": "1.1", "method": "GET", "scheme": "http",
+                       "path": "/ready", "query_string": "", "headers": [],
+                       "client": ["127.0.0.1", 5000], "server": ["127.0.0.1", 8000]},
+             "body": ""}
+    follow = Router(ReplicaPool([]), RouterConfig())
+    follower = Follower(follow, await Channel.open(theirs))
+    try:
+        pool.set_state(_replica(lead, "r0"), ReplicaState.READY)
+        status, _, body = await answer(app, probe)  # the follower has applied nothing
+        assert status == 503 and b"worker(s) [1]" in body
+        following = asyncio.create_task(follower.run())
+        await wait_for(lambda: _replica_ready(follow), "the follower sees r0 ready")
+
+        async def ready() -> bool:
+            return (await answer(app, probe))[0] == 200
+        await wait_for(ready, "/ready once the follower caught up")
+    finally:
+        await leader.aclose()
+        with contextlib.suppress(NameError, asyncio.CancelledError):
+            following.cancel()
+            await following
+        await lead.aclose()
+        await follow.aclose()
+
+
+def _replica_ready(router: Router) -> bool:
+    replica = router.pool.get("r0")
+    return replica is not None and replica.state is ReplicaState.READY

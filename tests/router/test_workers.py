@@ -106,7 +106,9 @@ async def test_two_workers_share_the_port_and_the_metrics_count_every_request(
     r0, r1 = await fake_replicas("r0"), await fake_replicas("r1")
     async with router_with_workers(r0.url, r1.url) as (url, proc):
         answers = await _fresh_connection_posts(url, 60)
-        assert [a.status_code for a in answers] == [200] * 60
+        assert [a.status_code for a in answers] == [200] * 60, [
+            (a.status_code, a.headers.get("x-dpserve-worker"), a.text)
+            for a in answers if a.status_code != 200]
         (follower,) = _children(proc.pid)
 
         async def counted() -> bool:

@@ -44,6 +44,8 @@ class _Follower:
     channel: Channel
     acked: int = 0
     """The last table sequence number it applied."""
+    joined: int = 0
+    """The table sequence number when it was attached: its first table is no older."""
     sent: Message | None = None
     """The last table sent, less its sequence number: unchanged tables are not sent."""
     sent_seq: int = 0
@@ -77,13 +79,33 @@ class Leader:
             share(self._memory, work, self._slots, on_journal=self._learned_here)
         self._canary: CanarySplit | None = None
         self._canary_epoch = 0
-        self._pool.on_state_change(lambda *_: self._changed())
-        self._pool.on_membership(lambda _: self._changed(), lambda _: self._changed())
+        self._had_ready = bool(self._pool.ready())
+        self._ready_seq = 0
+        """The table sequence number at which the pool last went from no ready replica
+        to some: a follower that has not applied it yet would refuse every request."""
+        self._pool.on_state_change(lambda *_: self._pool_changed())
+        self._pool.on_membership(lambda _: self._pool_changed(),
+                                 lambda _: self._pool_changed())
+        router.lagging_workers = self.lagging
         self._pool.settle = self.settled
         router.adapters.settle = self.settled
         router.dispatcher.streams.peers = self
         router.metrics.others = lambda: [f.metrics for f in self._followers.values()]
         router.metrics.registry.register(WorkersCollector(self._rows))
+
+    def _pool_changed(self) -> None:
+        ready = bool(self._pool.ready())
+        if ready and not self._had_ready:
+            self._seq += 1
+            self._ready_seq = self._seq
+        self._had_ready = ready
+        self._changed()
+
+    def lagging(self) -> list[int]:
+        """Followers that got a table in which no replica was ready yet, while here one is,
+        and have not applied a newer one: each request they take would get 503."""
+        return sorted(f.worker for f in self._followers.values()
+                      if f.joined < self._ready_seq and f.acked < self._ready_seq)
 
     def _changed(self) -> None:
         """Publish now rather than at the next tick."""
@@ -104,7 +126,7 @@ class Leader:
 
     def attach(self, worker: int, channel: Channel) -> None:
         """Serve follower `worker` on `channel` until it goes away (`detach`)."""
-        follower = _Follower(worker, channel)
+        follower = _Follower(worker, channel, joined=self._seq)
         self._followers[worker] = follower
         follower.tasks = [
             asyncio.create_task(self._publish(follower), name=f"dpserve-publish-{worker}"),
