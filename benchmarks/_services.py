@@ -45,32 +45,39 @@ class Placement:
         def cores(s: frozenset[int]) -> str:
             return ",".join(str(c) for c in sorted(s))
 
-        return (f"load generator on core {cores(self.load)}, upstreams on core "
-                f"{cores(self.upstream)}, router under test alone on core {cores(self.router)}")
+        return (f"load generator on core(s) {cores(self.load)}, upstreams on core(s) "
+                f"{cores(self.upstream)}, router under test alone on core(s) "
+                f"{cores(self.router)}")
 
 
-def plan_placement(pin: bool) -> Placement:
-    """One core for the router under test, the others for the load and the upstreams.
+def plan_placement(pin: bool, router_cores: int = 1) -> Placement:
+    """``router_cores`` cores for the router under test, the others for the load and the
+    upstreams.
 
-    The router gets a core of its own so that dpserve (one Python process) and
-    vllm-router (a multi-threaded Rust server that would otherwise spread over
-    every core) are compared per core, each with the same room. With two cores
-    the load generator and the upstreams share the other core; with three or
-    more the upstreams get one and the load generator the rest.
+    The router gets cores of its own so that dpserve (Python processes) and vllm-router
+    (a multi-threaded Rust server that would otherwise spread over every core) are
+    compared per core, each with the same room. With two cores the load generator and
+    the upstreams share the other core; with more, the upstreams get as many cores as
+    the router (the ones before its) and the load generator the rest. Raises
+    ValueError when there are not enough cores for ``router_cores``.
     """
     try:
         available = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         available = []
     empty: frozenset[int] = frozenset()
+    if router_cores > 1 and pin and len(available) < 2 * router_cores + 1:
+        raise ValueError(f"--router-cores {router_cores} needs {2 * router_cores + 1} cores "
+                         f"(router, upstreams, load); this machine has {len(available)}")
     if not pin or len(available) < 2:
         return Placement(load=empty, upstream=empty, router=empty)
-    router = frozenset(available[-1:])
+    k = router_cores
+    router = frozenset(available[-k:])
     if len(available) == 2:
         rest = frozenset(available[:1])
         return Placement(load=rest, upstream=rest, router=router)
-    return Placement(load=frozenset(available[:-2]), upstream=frozenset(available[-2:-1]),
-                     router=router)
+    return Placement(load=frozenset(available[:-2 * k]),
+                     upstream=frozenset(available[-2 * k:-k]), router=router)
 
 
 def pin_self(cpus: frozenset[int]) -> None:

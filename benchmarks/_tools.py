@@ -54,10 +54,11 @@ def tool_version(argv: list[str]) -> str:
 
 
 def vllm_router_version(vllm_router: str) -> str:
-    """The installed wheel's version, read from the venv next to the executable."""
+    """The installed wheel's version, read from the venv next to the executable (or this
+    Python's path, for a wheel installed with `pip --target`)."""
     python = Path(vllm_router).with_name("python")
     if not python.exists():
-        return "?"
+        python = Path(sys.executable)
     return tool_version([str(python), "-c",
                          "import importlib.metadata as m; print(m.version('vllm-router'))"])
 

@@ -47,7 +47,10 @@ upstreams share the other one, on more the upstreams get one of their own. So
 each router gets exactly one core: dpserve is one Python process and
 vllm-router's thread pool sizes itself from the cores it may use, and both are
 compared per core, under the same placement. The direct target runs with the
-same placement (minus the router).
+same placement (minus the router). ``--router-cores K`` gives each router the last
+K cores instead (the upstreams the K before them, nginx one worker per core, the
+load generator the rest: 2K+1 cores at least); with ``--workers-too K`` the
+dpserve-workers column runs one process per core.
 
 **Rounds** (``--rounds N``): every target is measured N times, interleaved
 (direct, dpserve, vllm-router, direct, ...), and each number reported is the
@@ -126,6 +129,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--load", choices=("auto", "wrk", "aiohttp"), default="auto",
         help="load generator (auto: wrk when installed)")
     add("--no-pin", action="store_true", help="do not pin processes to cores")
+    add("--router-cores", type=int, default=1, metavar="K",
+        help="cores each router under test gets (upstreams get as many, the load the rest; "
+             "needs 2K+1 cores); with --workers-too K, dpserve runs one process per core")
     add("--no-vllm-router", action="store_true", help="do not measure vllm-router")
     add("--migration-off-too", action="store_true",
         help="also measure dpserve with stream migration off (--migration-limit 0): what "
@@ -150,6 +156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--json", type=Path, metavar="OUT", help="also write every number here as JSON")
     add("--keep-logs", action="store_true", help="keep the temp dir with logs and configs")
     args = p.parse_args(argv)
+    if args.router_cores < 1:
+        p.error("--router-cores must be at least 1")
     if args.workers_too is not None and args.workers_too < 2:
         p.error("--workers-too must be at least 2")
     for name in ("requests", "concurrency", "upstreams", "chunks", "paced_requests", "rounds"):
@@ -162,7 +170,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def discover(args: argparse.Namespace) -> Env:
     """Find (or install) the tools; say what falls back and why."""
-    env = Env(placement=plan_placement(not args.no_pin))
+    try:
+        env = Env(placement=plan_placement(not args.no_pin, args.router_cores))
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
     if args.upstream != "python":
         env.nginx = find_nginx()
         if env.nginx is None:
