@@ -16,8 +16,7 @@ samples, replicas it found down, and its metrics. A drain waits until every
 follower has acknowledged it and reports nothing in flight on the replica
 (`Leader.settled`), so a deploy sees all of the fleet's traffic.
 
-Kept per worker, by design: circuit breakers (each sees its own failures), the
-admission queue, the prefix-affinity table (homes are re-learned per worker; two
-workers may give one prefix two homes), and streams in flight (a drain's eviction
-is broadcast to every worker).
+Routing memory (prefix homes, recent work) is shared (`work_table`). Kept per
+worker, by design: circuit breakers (each sees its own failures), the admission
+queue, and streams in flight (a drain's eviction is broadcast to every worker).
 """
