@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httptools
 import httpx
@@ -434,8 +435,15 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
                 wait_for_sync(r1_draining, "r0 reloaded and r1 draining", within_s=120)
             except AssertionError as exc:
                 raise AssertionError(f"{exc} (phases seen: {seen})") from None
-            wait_for_sync(lambda: f.replicas()[1]["in_flight"] == 1,
-                          "only the held stream left on r1", within_s=30)
+            last: list[dict[str, Any]] = []
+
+            def only_held() -> bool:
+                last[:] = [f.replicas()[1]]
+                return bool(last[0]["in_flight"] == 1)
+            try:
+                wait_for_sync(only_held, "only the held stream left on r1", within_s=30)
+            except AssertionError as exc:  # say what r1 had instead
+                raise AssertionError(f"{exc} (r1 last seen: {last})") from None
             os.killpg(r1_pid, signal.SIGKILL)  # the engine dies mid-rollout
             status, headers, events = held.read_to_end(timeout_s=120)  # lets the router finish
             record = wait_for_sync(

@@ -261,13 +261,24 @@ def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deploymen
     started = {reason: threading.Event() for reason in REFUSED}
     ended: dict[str, tuple[int, list[str]]] = {}
 
+    def payload(reason: str, max_tokens: int) -> dict[str, Any]:
+        return {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens,
+                "stream": True, "ignore_eos": True, "temperature": 0} | REFUSED[reason]
+
+    # Each kind of request once, first: what the engine does on a feature's first use
+    # (seconds, on a busy machine) would otherwise let the streams started before it
+    # end before the last one starts, and the kill would catch none of them.
+    for reason in REFUSED:
+        with httpx.Client(timeout=120) as h:
+            assert h.post(deployment.base_url + "/v1/completions",
+                          json=payload(reason, 1) | {"stream": False}).status_code == 200
+
     def run(reason: str) -> None:
-        payload = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 900, "stream": True,
-                   "ignore_eos": True, "temperature": 0} | REFUSED[reason]
         events: list[str] = []
         try:
-            with httpx.Client(timeout=120) as h, h.stream(
-                    "POST", deployment.base_url + "/v1/completions", json=payload) as r:
+            with httpx.Client(timeout=120) as h, h.stream(  # near the 1024-token context
+                    "POST", deployment.base_url + "/v1/completions",
+                    json=payload(reason, 1000)) as r:
                 if r.status_code != 200:
                     events.append(r.read().decode())
                 for line in r.iter_lines():
