@@ -297,9 +297,9 @@ def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deploymen
             t.start()
         for reason, event in started.items():
             assert event.wait(60), f"the {reason} stream did not start"
+        os.killpg(pid, signal.SIGKILL)  # the API server and its engine core, at once: r0's
+        killed = True                   # undrain (a health check, seconds) waits till after
         admin(deployment, "r0", "undrain")
-        os.killpg(pid, signal.SIGKILL)  # the API server and its engine core
-        killed = True
         for t in threads:
             t.join(timeout=60)
         # On a busy machine a stream may end before the kill lands: it shows nothing about
