@@ -514,9 +514,11 @@ def test_a_canary_serving_like_the_others_is_promoted_without_mixing_versions(fl
 
 
 def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
-    """Its engine stalls (SIGSTOP 3 s, SIGCONT 0.1 s, over and over) once the canary
+    """Its engine stalls (SIGSTOP 4 s, SIGCONT 0.1 s, over and over) once the canary
     phase begins: what a slower checkpoint or a noisy neighbour looks like from the
-    router, short of failing its health checks (15 s here)."""
+    router, short of failing its health checks (15 s here). Judged at 3x the others'
+    TTFT: at 8x, the others' p90 on a loaded CI machine (482 ms against the canary's
+    3 s, when it stalled 3 s at a time) once let it pass."""
     f = fleet
     before = f.versions()
     wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
@@ -527,14 +529,15 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     def stall() -> None:
         while not stop.is_set():
             os.killpg(pgid, signal.SIGSTOP)
-            stop.wait(3.0)
+            stop.wait(4.0)
             os.killpg(pgid, signal.SIGCONT)
             stop.wait(0.1)
 
     staller = threading.Thread(target=stall)
     # 8 clients: those stuck on the canary leave the others enough to go on.
     with background_load(f.d.base_url, workers=8):
-        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 20})
+        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 20,
+                                            "canary_max_ttft_ratio": 3})
         assert r.status_code == 202, r.text
         wait_for_sync(lambda: deploy_record(f, r.json()["id"])["canary"], "the canary phase",
                       within_s=120, every_s=0.05)
@@ -549,12 +552,12 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     canary = record["canary"]
     assert canary["passed"] is False
     if canary["canary"]["requests"] < CANARY["canary_min_requests"]:
-        # A busy machine (CI once: none answered in 12 s) leaves a canary stalled 3 s at a
+        # A busy machine (CI once: none answered in 12 s) leaves a canary stalled 4 s at a
         # time too few answers to compare: rolled back for that, which the record says.
         assert record["error"].startswith("r0: canary traffic: the canary got"), record
     else:
         assert "on the canary against" in canary["reason"]
-        assert any(canary["canary"][f"ttft_p{p}_ms"] > 8 * canary["others"][f"ttft_p{p}_ms"]
+        assert any(canary["canary"][f"ttft_p{p}_ms"] > 3 * canary["others"][f"ttft_p{p}_ms"]
                    for p in (50, 90))  # its requests sent while it ran answer fast: p90
         # Slow, and a request caught by a stall may fail too: either comparison rolls it
         # back. (Errors counted when a stalled engine closed kept-alive connections on
