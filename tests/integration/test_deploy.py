@@ -499,10 +499,15 @@ def wait_deploy(f: Fleet, r: httpx.Response) -> dict:
 
 
 def test_a_canary_serving_like_the_others_is_promoted_without_mixing_versions(fleet: Fleet):
+    """Judged on errors, with TTFT allowed 2 s of slack: two engines, the router and the
+    load share 2 cores here, and a CI run once saw the just-reloaded canary at p50 205 /
+    p90 687 ms against the others' 42 / 64 ms (a canary stalled 4 s at a time still
+    trips the gate: the test below)."""
     f = fleet
     wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
     with background_load(f.d.base_url, workers=4) as load:
-        record = wait_deploy(f, start_deploy(f, f.other, no_mixed_versions=True, **CANARY))
+        record = wait_deploy(f, start_deploy(f, f.other, no_mixed_versions=True,
+                                             **CANARY, canary_ttft_slack_ms=2000))
     assert record["state"] == "succeeded", json.dumps([record["error"], record["canary"]])
     canary = record["canary"]
     assert canary["passed"] is True and canary["canary"]["requests"] >= 3
@@ -521,6 +526,9 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     3 s, when it stalled 3 s at a time) once let it pass."""
     f = fleet
     before = f.versions()
+    # A checkpoint the fleet does not serve (the test above may have been rolled back,
+    # leaving the one an earlier test deployed): deploying what it serves has no canary.
+    target = f.finetuned if weights_for(str(f.finetuned)).version not in before else f.other
     wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
     pid, _ = f.d.replicas()["r0"]  # the first replica updated is the canary
     pgid = os.getpgid(pid)
@@ -536,11 +544,16 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     staller = threading.Thread(target=stall)
     # 8 clients: those stuck on the canary leave the others enough to go on.
     with background_load(f.d.base_url, workers=8):
-        r = start_deploy(f, f.finetuned, **{**CANARY, "canary_duration_s": 20,
-                                            "canary_max_ttft_ratio": 3})
+        r = start_deploy(f, target, **{**CANARY, "canary_duration_s": 20,
+                                       "canary_max_ttft_ratio": 3})
         assert r.status_code == 202, r.text
-        wait_for_sync(lambda: deploy_record(f, r.json()["id"])["canary"], "the canary phase",
-                      within_s=120, every_s=0.05)
+
+        def canary_or_end() -> dict | None:
+            rec = deploy_record(f, r.json()["id"])
+            return rec if rec["canary"] or rec["done"] else None
+
+        began = wait_for_sync(canary_or_end, "the canary phase", within_s=120, every_s=0.05)
+        assert began["canary"], json.dumps(began)  # a deploy that ended first says why
         staller.start()
         try:
             record = wait_deploy(f, r)
