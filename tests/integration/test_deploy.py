@@ -263,9 +263,10 @@ class Load:
 
 
 @contextlib.contextmanager
-def background_load(base_url: str, workers: int) -> Iterator[Load]:
-    """Run a Load in a thread of its own (the test's waits block); stop it on exit."""
-    load = Load(base_url)
+def background_load(base_url: str, workers: int, limit: int = 600) -> Iterator[Load]:
+    """Run a Load of at most `limit` requests in a thread of its own (the test's waits
+    block); stop it on exit."""
+    load = Load(base_url, limit=limit)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=lambda: loop.run_until_complete(load.run(workers)))
     thread.start()
@@ -367,15 +368,17 @@ def test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpo
     # no worse than the current version's.
     eval_file = f.work / "heldout-gate-pass.jsonl"
     shutil.copyfile(demo_data.path(demo_data.HELDOUT_FILE), eval_file)
-    with background_load(f.d.base_url, workers=4) as load:
+    # Room for requests after the deploy however long it takes (CI once used up 600
+    # while the gate scored: no request was left to show the fleet serving after it).
+    with background_load(f.d.base_url, workers=4, limit=5000) as load:
         before = load.ok
         cli = subprocess.run(
             [sys.executable, "-m", "dpserve", "deploy", str(f.finetuned),
              "--router", f.d.base_url, "--eval", str(eval_file), "--gate-vs-current"],
             capture_output=True, text=True, timeout=300, env=offline_env())
         served_during = load.ok - before
-        wait_for_sync(lambda: load.ok >= before + served_during + 8, "requests after the deploy",
-                      within_s=60)
+        wait_for_sync(lambda: load.ok >= before + served_during + 8,
+                      f"requests after the deploy ({served_during} during it)", within_s=60)
 
     version = weights_for(str(f.finetuned)).version
     assert cli.returncode == 0, cli.stdout + cli.stderr
