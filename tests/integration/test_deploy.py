@@ -47,6 +47,7 @@ from tests.integration.conftest import (
     READY_DEADLINE_S,
     Deployment,
     offline_env,
+    replica_slowed,
     spawn_deployment,
 )
 from tests.procs import processes_in_group
@@ -535,16 +536,6 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
     wait_for_sync(f.all_ready, "both replicas in rotation", within_s=120)
     pid, _ = f.d.replicas()["r0"]  # the first replica updated is the canary
     pgid = os.getpgid(pid)
-    stop = threading.Event()
-
-    def stall() -> None:
-        while not stop.is_set():
-            os.killpg(pgid, signal.SIGSTOP)
-            stop.wait(4.0)
-            os.killpg(pgid, signal.SIGCONT)
-            stop.wait(0.1)
-
-    staller = threading.Thread(target=stall)
     # 8 clients: those stuck on the canary leave the others enough to go on.
     with background_load(f.d.base_url, workers=8):
         r = start_deploy(f, target, **{**CANARY, "canary_duration_s": 20,
@@ -557,13 +548,8 @@ def test_a_canary_made_slow_is_rolled_back_with_the_comparison(fleet: Fleet):
 
         began = wait_for_sync(canary_or_end, "the canary phase", within_s=120, every_s=0.05)
         assert began["canary"], json.dumps(began)  # a deploy that ended first says why
-        staller.start()
-        try:
+        with replica_slowed(pgid, stop_s=4.0, run_s=0.1):
             record = wait_deploy(f, r)
-        finally:
-            stop.set()
-            staller.join(10)
-            os.killpg(pgid, signal.SIGCONT)
     assert record["state"] == "rolled_back", json.dumps([record["error"], record["canary"]])
     canary = record["canary"]
     assert canary["passed"] is False

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
+from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric, replica_slowed
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -251,38 +251,6 @@ def refusals(d: Deployment) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(prefix)}
 
 
-@contextmanager
-def replica_slowed(pgid: int, run_s: float = 0.02, stop_s: float = 0.3) -> Iterator[None]:
-    """The replica whose process group is `pgid` (its API server, running the engine in
-    the same process here) stopped 15 parts in 16 while in the block: its streams
-    advance several times slower (300 tokens: 10 s instead of 2 at 10 parts in 11). Lets a
-    test act while several streams run, however late a loaded machine lets it read
-    their first chunks."""
-    stop = threading.Event()
-
-    def signal_all(sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:  # killed by the test
-            pass
-
-    def cycle() -> None:
-        while not stop.is_set():
-            signal_all(signal.SIGSTOP)
-            stop.wait(stop_s)
-            signal_all(signal.SIGCONT)
-            stop.wait(run_s)
-
-    cycler = threading.Thread(target=cycle, daemon=True)
-    cycler.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        cycler.join(timeout=10)
-        signal_all(signal.SIGCONT)
-
-
 def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deployment):
     """One stream per reason, all on r1, which is killed while every one runs (r1 slowed
     till then): each ends with an error event and `[DONE]` (as before migration
@@ -329,7 +297,7 @@ def test_streams_that_cannot_move_fail_cleanly_when_their_replica_dies(deploymen
     try:
         # Slowed, so that no stream ends while the others start (a loaded machine can let
         # the client read a first chunk seconds late: CI saw every stream end first).
-        with replica_slowed(pid):
+        with replica_slowed(pid, stop_s=0.3, run_s=0.02):  # 15 parts in 16
             for t in threads:
                 t.start()
             for reason, event in started.items():
