@@ -111,6 +111,12 @@ class FakeReplica:
     client requests (not the canary's) badly, as `bad_mode` says, after `bad_delay_s`."""
     bad_mode: str | None = None
     bad_delay_s: float = 0.0
+    cold_requests: int = 0
+    """A prefix cache's cold start: after each `reset_prefix_cache`, the next this many
+    client requests each take `cold_delay_s` longer (their prompts' KV computed afresh,
+    where a warm cache would have held it)."""
+    cold_delay_s: float = 0.0
+    _cold_left: int = 0
     skill: dict[str | None, tuple[dict[str, str], float]] = field(default_factory=dict)
     """For a deploy's eval set, by the weights loaded (None: those it started with; else
     a part of their path, e.g. `step-000001`):
@@ -228,6 +234,7 @@ class FakeReplica:
                 self.weights = body["kwargs"]["weights_path"]
                 return web.json_response({"results": [None]})
             if step == "reset_prefix_cache":
+                self._cold_left = self.cold_requests
                 return web.json_response({"success": True})
             if step == "update_weight_version":
                 self.weight_version = body["new_version"]
@@ -307,6 +314,9 @@ class FakeReplica:
         if (body.get("logprobs") is not None and self.weights is not None
                 and (failure := self._failure("canary"))):
             return failure  # the new weights misbehave: only after a reload
+        if self._cold_left and body.get("logprobs") is None:
+            self._cold_left -= 1
+            await asyncio.sleep(self.cold_delay_s)
         mode = self.mode
         if (self.bad_weights is not None and self.weights is not None
                 and self.bad_weights in self.weights and body.get("logprobs") is None):

@@ -166,8 +166,11 @@ def _canary_line(c: dict[str, Any]) -> str:
                 else f"{s['ttft_p50_ms']:.0f}/{s['ttft_p90_ms']:.0f} ms")
         return f"{s['requests']} req, {s['error_rate']:.1%} errors, TTFT p50/p90 {ttft}"
 
+    b = c.get("baseline")
     line = (f"canary {c['replica']} {c['elapsed_s']:.0f}/{c['duration_s']:g} s at "
-            f"{c['weight']:g}%: {side(c['canary'])} · others {side(c['others'])}")
+            f"{c['weight']:g}%: {side(c['canary'])}"
+            + (f" · baseline {b['replica']} at {b['weight']:g}%: {side(b)}" if b else "")
+            + (f" · others {side(c['others'])}" if c["others"]["requests"] or not b else ""))
     if "passed" in c:
         line += "; " + ("passed" if c["passed"] else f"failed: {c['reason']}")
     return line

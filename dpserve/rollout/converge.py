@@ -251,7 +251,13 @@ class Convergence:
         rp.version, rp.seconds = weights.version, round(time.monotonic() - started, 3)
         if self._traffic is not None and not rollback and replica.state is ReplicaState.READY:
             traffic, self._traffic = self._traffic, None  # once, on the first replica
-            await run_canary(traffic, replica, self.options, self.progress)
+            await run_canary(traffic, replica, self.options, self.progress,
+                             ready=self.pool.ready(), reset_cache=self._reset_cache)
+
+    async def _reset_cache(self, replica: Replica) -> None:
+        """A canary's baseline starts cold like the canary (`canary_phase`)."""
+        await EngineAdmin(self.client, replica.url,
+                          reload_timeout_s=self._reload_timeout_s).reset_prefix_cache()
 
     async def _move_streams(self, replica: Replica, rp: ReplicaProgress, strict: bool) -> bool:
         """Move the streams still on a drained replica to others; whether it is idle

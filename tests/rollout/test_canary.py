@@ -14,11 +14,11 @@ import pytest
 from dpserve.rollout.client import AdminClient, run_deploy
 from dpserve.rollout.deployed import weights_for
 from dpserve.router.breaker import Outcome
-from dpserve.router.canary import CanarySplit, Thresholds, compare
+from dpserve.router.canary import CanarySplit, Thresholds, baseline_weight, compare, reference
 from dpserve.router.pool import Replica
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_variant
-from tests.rollout.fleet import deploy, fleet
+from tests.rollout.fleet import HOT_LOAD, deploy, fleet
 
 CANARY = {"canary_weight": 50, "canary_duration_s": 1.5, "canary_min_requests": 3}
 
@@ -40,6 +40,49 @@ def test_the_weight_sets_the_canarys_share_of_first_attempts_only():
     assert split.narrow(replicas[1:], first_attempt=True) == replicas[1:]  # canary gone
 
 
+def test_a_baseline_gets_the_canarys_share_and_the_rest_of_the_fleet_the_remainder():
+    replicas = [Replica(id=f"r{i}", url=f"http://r{i}") for i in range(4)]
+    split = CanarySplit("r0", 20, baseline_id="r1", baseline_weight_pct=20,
+                        rng=random.Random(0))
+    picks = [split.narrow(replicas, first_attempt=True) for _ in range(2000)]
+    assert 340 < sum(p == replicas[:1] for p in picks) < 460
+    assert 340 < sum(p == replicas[1:2] for p in picks) < 460
+    assert all(p in (replicas[:1], replicas[1:2], replicas[2:]) for p in picks)
+    assert split.narrow(replicas, first_attempt=False) == replicas
+    # The baseline out of rotation: its share goes to the others, never to the canary.
+    without = [replicas[0], *replicas[2:]]
+    picks = [split.narrow(without, first_attempt=True) for _ in range(2000)]
+    assert 340 < sum(p == replicas[:1] for p in picks) < 460
+    assert all(p in (replicas[:1], replicas[2:]) for p in picks)
+
+
+@pytest.mark.parametrize(("weight", "replicas", "share"), [
+    (20, 3, 20), (50, 3, 50), (60, 3, 40), (10, 8, 10), (20, 2, 80), (50, 2, 50)])
+def test_the_baseline_carries_the_canarys_load_when_a_third_replica_takes_the_rest(
+        weight, replicas, share):
+    assert baseline_weight(weight, replicas) == share
+
+
+def test_the_canary_is_judged_against_its_baseline_once_it_served_enough():
+    limits = Thresholds(max_error_rate_delta=0.05, max_ttft_ratio=2.0, ttft_slack_ms=20,
+                        min_requests=3)
+    split = CanarySplit("r0", 20, baseline_id="r1", baseline_weight_pct=20)
+    for _ in range(5):
+        split.record("r0", Outcome.SUCCESS, 0.3)  # cold, like the baseline
+        split.record("r2", Outcome.SUCCESS, 0.05)  # warm
+    for _ in range(2):
+        split.record("r1", Outcome.SUCCESS, 0.3)
+    # Too few baseline requests yet: judged against everyone else, and failed.
+    assert reference(split, limits)[0] == "the others"
+    assert "TTFT p50 300 ms on the canary against 50 ms on the others" in compare(split,
+                                                                                  limits)
+    split.record("r1", Outcome.SUCCESS, 0.3)
+    assert reference(split, limits) == ("the baseline r1", split.baseline)
+    assert compare(split, limits) is None
+    split.record("r0", Outcome.SERVER_ERROR, None)
+    assert "on the baseline r1" in compare(split, limits)
+
+
 @pytest.mark.parametrize(("canary", "others", "reason"), [
     ([(Outcome.SUCCESS, 0.1)] * 10, [(Outcome.SUCCESS, 0.1)] * 10, None),
     ([(Outcome.SUCCESS, 0.1)] * 2, [(Outcome.SUCCESS, 0.1)] * 10, "fewer than the 3"),
@@ -51,6 +94,9 @@ def test_the_weight_sets_the_canarys_share_of_first_attempts_only():
     ([(Outcome.SUCCESS, 0.025)] * 10, [(Outcome.SUCCESS, 0.001)] * 10, "and 20 ms slower"),
     ([(Outcome.CLIENT_ERROR, None)] * 5 + [(Outcome.SUCCESS, 0.1)] * 5,
      [(Outcome.SUCCESS, 0.1)] * 10, None),  # bad requests are not the replica's fault
+    # ...nor its speed: 400s answered at once do not hide a slow canary's TTFT
+    ([(Outcome.CLIENT_ERROR, 0.001)] * 20 + [(Outcome.SUCCESS, 0.3)] * 10,
+     [(Outcome.SUCCESS, 0.1)] * 10, "TTFT p50 300 ms"),
 ])
 def test_the_canary_is_judged_against_the_others(canary, others, reason):
     split = CanarySplit("r0", 50)
@@ -92,9 +138,33 @@ async def test_a_canary_serving_like_the_others_is_promoted(fake_replicas, tiny_
     assert status == 202 and record["state"] == "succeeded", record
     canary = record["canary"]
     assert canary["passed"] is True and canary["replica"] == "r0"
-    assert canary["canary"]["requests"] >= 3 and canary["others"]["requests"] >= 3
+    assert canary["against"] == "the baseline r1" and canary["baseline"]["weight"] == 50
+    assert canary["canary"]["requests"] >= 3 and canary["baseline"]["requests"] >= 3
     assert set(statuses) == {200}
     assert versions == [weights_for(str(checkpoint)).version] * 3
+
+
+async def test_a_canary_is_judged_against_a_baseline_as_cold_as_it(fake_replicas, tiny_model,
+                                                                   checkpoint):
+    """Every fake answers its first 15 requests after a prefix-cache reset 60 ms late.
+    The canary (reset by its reload) and its baseline (reset as the window opens) pay
+    that alike; the third replica, warm, does not. Judged against it, the same canary
+    would fail at 1.5x and 20 ms."""
+    async with fleet(fake_replicas, tiny_model, 3, cold_requests=15, cold_delay_s=0.06) as f:
+        _, record, statuses = await deploy_under_load(
+            f, checkpoint, **{**CANARY, "canary_weight": 30, "canary_duration_s": 2,
+                              "canary_max_ttft_ratio": 1.5, "canary_ttft_slack_ms": 20})
+        baseline_calls = list(f.fakes[1].dev_calls)
+    assert record["state"] == "succeeded", record
+    canary = record["canary"]
+    assert canary["passed"] is True and canary["against"] == "the baseline r1", canary
+    # Its own window's reset first, then the baseline's hot-load.
+    assert baseline_calls[0] == "/reset_prefix_cache?reset_running_requests=true"
+    assert baseline_calls[1:] == HOT_LOAD
+    assert canary["baseline"]["weight"] == 30 and canary["others"]["requests"] >= 3
+    warm, cold = canary["others"]["ttft_p50_ms"], canary["canary"]["ttft_p50_ms"]
+    assert cold > 1.5 * warm and cold - warm > 20, canary  # what the others would judge
+    assert set(statuses) == {200}
 
 
 @pytest.mark.parametrize(("bad", "reason"), [
@@ -131,7 +201,7 @@ async def test_dpserve_deploy_shows_the_canary_as_it_runs(fake_replicas, tiny_mo
     lines = [ln for ln in out.getvalue().splitlines() if "canary r0" in ln]
     assert code == 0 and len(lines) >= 2, out.getvalue()  # while it runs, then the verdict
     assert lines[-1].strip().startswith("canary r0 6/6 s at 50%: ")
-    assert lines[-1].endswith("; passed") and "others" in lines[-1]
+    assert lines[-1].endswith("; passed") and " · baseline r1 at 50%: " in lines[-1]
 
 
 @pytest.mark.parametrize(("options", "param", "message"), [

@@ -119,16 +119,19 @@ async def test_a_replica_the_follower_finds_down_goes_down_on_the_leader():
 
 async def test_canary_outcomes_seen_by_the_follower_reach_the_leaders_comparison():
     async with leader_and_follower() as (lead, leader, follow, _):
-        split = CanarySplit("r0", 50.0)
+        split = CanarySplit("r0", 20.0, baseline_id="r1", baseline_weight_pct=20.0)
         lead.dispatcher.canary = split
         await leader.settled()
         mirrored = follow.dispatcher.canary
-        assert mirrored is not None and (mirrored.replica_id, mirrored.weight_pct) == ("r0", 50)
+        assert mirrored is not None and mirrored.spec() == split.spec()
         mirrored.record("r0", Outcome.SERVER_ERROR, None)
         mirrored.record("r1", Outcome.SUCCESS, 0.25)
-        await wait_for(lambda: split.canary.requests == 1 and split.others.requests == 1,
+        mirrored.record("r2", Outcome.SUCCESS, 0.5)
+        await wait_for(lambda: (split.canary.requests, split.baseline.requests,
+                                split.others.requests) == (1, 1, 1),
                        "the follower's samples on the leader")
-        assert split.canary.errors == 1 and split.others.first_byte_s == [0.25]
+        assert split.canary.errors == 1 and split.baseline.first_byte_s == [0.25]
+        assert split.others.first_byte_s == [0.5]
 
 
 async def test_evicting_a_replica_moves_the_followers_streams_too():

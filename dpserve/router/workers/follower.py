@@ -147,8 +147,7 @@ class Follower:
         epoch = None if canary is None else canary["epoch"]
         if epoch != self._canary_epoch:
             self._canary_epoch = epoch
-            dispatcher.canary = (None if canary is None
-                                 else CanarySplit(canary["replica"], canary["weight"]))
+            dispatcher.canary = None if canary is None else CanarySplit.from_spec(canary)
         if table["adapters"] != self._adapters:
             self._adapters = table["adapters"]
             apply_adapter_table(self._router.adapters, table["adapters"])
@@ -202,12 +201,10 @@ class Follower:
 
     def _canary_samples(self) -> Message | None:
         split = self._router.dispatcher.canary
-        if split is None or not (split.canary.requests or split.others.requests):
+        if split is None or not any(s.requests for s in split.samples().values()):
             return None
-        samples = {"epoch": self._canary_epoch, "canary": _sample(split.canary),
-                   "others": _sample(split.others)}
-        split.canary, split.others = Sample(), Sample()
-        return samples
+        return {"epoch": self._canary_epoch,
+                **{name: _sample(s) for name, s in split.take_samples().items()}}
 
 
 def _sample(sample: Sample) -> Message:

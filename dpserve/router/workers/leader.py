@@ -191,9 +191,8 @@ class Leader:
             "op": "table",
             "replicas": [replica_row(r, r.in_flight - mine.get(r.id, 0), self._slot(r))
                          for r in self._pool],
-            "canary": None if canary is None else {
-                "replica": canary.replica_id, "weight": canary.weight_pct,
-                "epoch": self._canary_epoch},
+            "canary": None if canary is None else {**canary.spec(),
+                                                   "epoch": self._canary_epoch},
             "adapters": adapter_table(self._router.adapters),
         }
 
@@ -266,8 +265,8 @@ class Leader:
         canary = report["canary"]
         split = self._router.dispatcher.canary
         if canary is not None and split is not None and canary["epoch"] == self._canary_epoch:
-            _add(split.canary, canary["canary"])
-            _add(split.others, canary["others"])
+            for name, sample in split.samples().items():
+                _add(sample, canary[name])
 
     @staticmethod
     def _apply_counts(old: dict[str, int], new: dict[str, int], find: Any) -> None:
