@@ -176,19 +176,20 @@ def _add_deploy(sub: Subparsers) -> None:
                            "more than --gate-margin")
     gate.add_argument("--gate-margin", type=float, help="for --gate-vs-current (default 0)")
     canary = deploy.add_argument_group("canary traffic (the first replica updated serves a "
-                                       "share of requests, then is compared with the others)")
+                                       "share of requests, then is compared with a baseline: "
+                                       "the next replica, its cache reset alike)")
     canary.add_argument("--canary-weight", type=float, metavar="P",
                         help="percent of new requests sent to it, 0 < P < 100")
     canary.add_argument("--canary-duration-s", type=float, metavar="D",
                         help="for this long (default 60)")
     canary.add_argument("--canary-max-error-rate-delta", type=float,
-                        help="roll back if its error rate exceeds the others' by more "
+                        help="roll back if its error rate exceeds its baseline's by more "
                              "(default 0.01: one point)")
     canary.add_argument("--canary-max-ttft-ratio", type=float,
-                        help="roll back if its TTFT p50 or p90 exceeds the others' by this "
+                        help="roll back if its TTFT p50 or p90 exceeds its baseline's by this "
                              "factor (default 1.5) and by more than --canary-ttft-slack-ms")
     canary.add_argument("--canary-ttft-slack-ms", type=float, metavar="MS",
-                        help="a TTFT this close to the others' is never a regression, "
+                        help="a TTFT this close to its baseline's is never a regression, "
                              "whatever the ratio (default 20)")
     canary.add_argument("--canary-min-requests", type=int,
                         help="roll back if it served fewer requests (default 10)")

@@ -100,12 +100,13 @@ class DeployOptions:
 
     canary_weight: float | None = None
     """Percent of new requests sent to the first updated replica, once it serves, for
-    `canary_duration_s`; then it is compared with the others (`router.canary`)."""
+    `canary_duration_s`; then it is compared with a baseline replica (`router.canary`)."""
     canary_duration_s: float = 60.0
     canary_max_error_rate_delta: float = 0.01
     canary_max_ttft_ratio: float = 1.5
     canary_ttft_slack_ms: float = 20.0
-    """TTFT within this many ms of the others' is never a regression, whatever the ratio."""
+    """TTFT within this many ms of the baseline's is never a regression, whatever the
+    ratio."""
     canary_min_requests: int = 10
 
     @property
@@ -236,8 +237,9 @@ class DeployProgress:
     """The adapter name a LoRA deploy serves the checkpoint as (None: full weights)."""
     error: str | None = None
     canary: dict[str, Any] | None = None
-    """Canary traffic (`--canary-weight`), updated as it runs: the canary's and the
-    others' requests, errors and TTFT, then passed and reason."""
+    """Canary traffic (`--canary-weight`), updated as it runs: the canary's, its
+    baseline's and the other replicas' requests, errors and TTFT, what the canary is
+    judged `against`, then passed and reason."""
     quality: dict[str, Any] | None = None
     """The eval set's scores (`--eval`): candidate, current, passed, reason."""
     replicas: list[ReplicaProgress] = field(default_factory=list)
