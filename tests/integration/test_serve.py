@@ -324,7 +324,11 @@ def test_a_killed_replica_under_load_fails_no_request_and_is_restarted(deploymen
             ("r0", "r1", "disconnected")], seams
     assert streamed == expected
     assert load.failures() == []  # requests on r0 when it died were retried on r1
-    assert replica_state(deployment, "r0") in ("down", "starting")
+    # The router took r0 out, unless the supervisor already has it back: on a slow
+    # machine its restart (~40 s) can finish while the load above is still counted.
+    state = replica_state(deployment, "r0")
+    assert state in ("down", "starting") or (
+        state == "ready" and deployment.replicas()["r0"][0] != old_pid), state
     # SIGKILL is delivered at once, but tearing down a 3 GB process takes a moment.
     wait_for_sync(lambda: processes_in_group(old_pid) == [], "r0's processes to be gone",
                   within_s=30)
