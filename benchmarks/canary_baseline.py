@@ -10,8 +10,8 @@ system prompt and history, `--prefix-tokens` each) followed by a short new turn,
 `--clients` clients back to back. Every deploy (`--deploys`, alternating two
 checkpoints whose weights differ by noise: the same speed) is healthy, so every
 rollback is a false alarm. Each deploy's record holds the canary's, the baseline's and
-the others' samples from the same window; both verdicts are computed from them with the
-deploy's thresholds (the defaults unless given).
+the others' samples from the same window; both verdicts are `router.canary.compare` on
+them, with the default thresholds.
 
     python benchmarks/canary_baseline.py [--replicas 4] [--deploys 4] [--weight 25]
         [--duration-s 20] [--conversations 48] [--prefix-tokens 900] [--clients 6]
@@ -27,12 +27,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _fleet import fleet
 from rollout import make_checkpoints
 
 from dpserve.rollout.progress import DeployOptions
-from dpserve.router.canary import Thresholds
+from dpserve.router.canary import CanarySplit, Thresholds, compare
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS, Payload
@@ -65,18 +66,20 @@ def payloads(model: Path, conversations: int, prefix_tokens: int, turns: int = 8
     return out
 
 
-def verdict(canary: dict, reference: dict, limits: Thresholds) -> str:
-    """The comparison `router.canary.compare` makes, from a record's rounded numbers."""
-    if canary["requests"] < limits.min_requests:
-        return "too few"
-    if canary["error_rate"] - reference["error_rate"] > limits.max_error_rate_delta:
-        return "errors"
-    for p in (50, 90):
-        mine, theirs = canary[f"ttft_p{p}_ms"], reference[f"ttft_p{p}_ms"]
-        if (mine is not None and theirs and mine > limits.max_ttft_ratio * theirs
-                and mine - theirs > limits.ttft_slack_ms):
-            return f"p{p} {mine / theirs:.1f}x"
-    return "pass"
+def verdicts(split: CanarySplit, limits: Thresholds) -> tuple[str, str]:
+    """`router.canary.compare` on the window's samples: against the baseline (what a
+    deploy judges), and against the warm others alone (what it judged before)."""
+    warm = CanarySplit(split.replica_id, split.weight_pct)
+    warm.canary, warm.others = split.canary, split.others
+    return compare(split, limits) or "pass", compare(warm, limits) or "pass"
+
+
+async def capture_split(traffic: Any, found: list[CanarySplit]) -> None:
+    """Keep the deploy's split (the dispatcher drops it when the window closes)."""
+    while True:
+        if traffic.canary is not None and (not found or found[-1] is not traffic.canary):
+            found.append(traffic.canary)
+        await asyncio.sleep(0.05)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -97,6 +100,8 @@ async def main(args: argparse.Namespace) -> int:
                         max_concurrency=args.clients, stop=stop,
                         request_id_prefix="canary-bench-")
         loading = asyncio.create_task(run_load(plan))
+        splits: list[CanarySplit] = []
+        watching = asyncio.create_task(capture_split(f.rollout.traffic, splits))
         try:
             for i in range(args.deploys):
                 await asyncio.sleep(STEADY_S)
@@ -104,18 +109,18 @@ async def main(args: argparse.Namespace) -> int:
                 progress = await f.rollout.start(str(checkpoints[i % 2]), options)
                 await f.rollout.wait()
                 c = progress.canary
-                if not c or "canary" not in c:
+                if not c or "canary" not in c or not splits:
                     print(f"deploy {i + 1}: no canary phase ({progress.error})", flush=True)
                     continue
+                vs_baseline, vs_others = verdicts(splits.pop(), limits)
                 row = {"deploy": i + 1, "state": progress.state.value,
                        "took_s": round(time.monotonic() - t0, 1), "canary": c["canary"],
                        "baseline": c.get("baseline"), "others": c["others"],
-                       "vs_baseline": verdict(c["canary"], c["baseline"], limits)
-                       if c.get("baseline") else "-",
-                       "vs_others": verdict(c["canary"], c["others"], limits)}
+                       "vs_baseline": vs_baseline, "vs_others": vs_others}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
+            watching.cancel()
             stop.set()
             outcome = await loading
     failed = sum(not r.ok for r in outcome.records)
@@ -135,8 +140,9 @@ async def main(args: argparse.Namespace) -> int:
 
     for r in rows:
         print(f"| {r['deploy']} | {side(r['canary'])} | {side(r['baseline'])} | "
-              f"{side(r['others'])} | {r['vs_baseline']} | {r['vs_others']} |")
-    false_b = sum(r["vs_baseline"] not in ("pass", "-") for r in rows)
+              f"{side(r['others'])} | {r['vs_baseline'].split(' (')[0]} | "
+              f"{r['vs_others'].split(' (')[0]} |")
+    false_b = sum(r["vs_baseline"] != "pass" for r in rows)
     false_o = sum(r["vs_others"] != "pass" for r in rows)
     print(f"\nhealthy deploys rolled back: against the baseline {false_b}/{len(rows)}, "
           f"against the others {false_o}/{len(rows)}")

@@ -37,6 +37,7 @@ ERRORS = frozenset({Outcome.SERVER_ERROR, Outcome.CONNECT_FAILED, Outcome.CONNEC
 """Outcomes that count against a replica (a 4xx is the request's fault, an abort the
 client's or the router's)."""
 
+
 @dataclass
 class Sample:
     requests: int = 0

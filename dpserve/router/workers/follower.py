@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 from dpserve.router.app import Router, build_data_plane
 from dpserve.router.asgi import Receive, Scope, Send
-from dpserve.router.canary import CanarySplit, Sample
+from dpserve.router.canary import CanarySplit
 from dpserve.router.errors import error_body
 from dpserve.router.policies import shared_memory
 from dpserve.router.pool import Replica, ReplicaState
@@ -204,12 +205,7 @@ class Follower:
         if split is None or not any(s.requests for s in split.samples().values()):
             return None
         return {"epoch": self._canary_epoch,
-                **{name: _sample(s) for name, s in split.take_samples().items()}}
-
-
-def _sample(sample: Sample) -> Message:
-    return {"requests": sample.requests, "errors": sample.errors,
-            "first_byte_s": sample.first_byte_s}
+                **{name: dataclasses.asdict(s) for name, s in split.take_samples().items()}}
 
 
 def follower_app(router: Router, follower: Follower) -> Any:

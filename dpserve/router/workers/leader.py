@@ -266,7 +266,7 @@ class Leader:
         split = self._router.dispatcher.canary
         if canary is not None and split is not None and canary["epoch"] == self._canary_epoch:
             for name, sample in split.samples().items():
-                _add(sample, canary[name])
+                sample.add(Sample(**canary[name]))
 
     @staticmethod
     def _apply_counts(old: dict[str, int], new: dict[str, int], find: Any) -> None:
@@ -294,12 +294,6 @@ class Leader:
             body = error_body(500, "internal router error")
         follower.channel.send({"op": "reply", "id": message["id"], "status": status,
                                "headers": headers, "body": base64.b64encode(body).decode()})
-
-
-def _add(sample: Sample, reported: Message) -> None:
-    sample.requests += reported["requests"]
-    sample.errors += reported["errors"]
-    sample.first_byte_s.extend(reported["first_byte_s"])
 
 
 async def answer(app: Any, message: Message) -> tuple[int, list[list[str]], bytes]:
