@@ -38,6 +38,8 @@ def _value(v: Any) -> Any:
 class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.bytes_received = 0
+        """Export requests' bytes, decompressed: what the spans cost on the wire."""
         self._lock = threading.Lock()
         receiver = self
 
@@ -46,6 +48,8 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
+                with receiver._lock:
+                    receiver.bytes_received += len(body)
                 receiver._take(ExportTraceServiceRequest.FromString(body))
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)

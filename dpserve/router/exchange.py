@@ -15,8 +15,8 @@ class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
     __slots__ = ("adapter", "attempts", "body", "client_model", "first_byte_s", "headers",
-                 "info", "line", "migration", "not_migratable", "queue_wait_s", "replied",
-                 "request_id", "span", "start", "stream", "trace")
+                 "info", "line", "migration", "model", "not_migratable", "queue_wait_s",
+                 "replied", "request_id", "span", "start", "stream", "trace")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
         self.request_id = request_id
@@ -34,6 +34,10 @@ class Exchange:
         """The adapter version the request runs on, if it names an adapter."""
         self.client_model = ""
         """The `model` the client sent (answers are renamed back to it)."""
+        self.model: str | None = None
+        """The `model` named, once known to be one the fleet serves (a base model a
+        ready replica reported, or an adapter resolved): what the trace span records.
+        A name the client made up is never recorded, whatever its length."""
         self.migration: Stream | None = None
         """A stream that may move to another replica if its own fails mid-way."""
         self.not_migratable = ""
@@ -50,7 +54,7 @@ class Exchange:
         """What its trace span records at the end (None: left out)."""
         return {
             "dpserve.request_id": self.request_id, "dpserve.replica": served_by,
-            "gen_ai.request.model": self.info.model, "dpserve.stream": self.stream,
+            "gen_ai.request.model": self.model, "dpserve.stream": self.stream,
             "dpserve.attempts": self.attempts, "dpserve.queue_wait_s": self.queue_wait_s,
             "dpserve.time_to_first_byte_s": self.first_byte_s,
             "dpserve.migrations": len(self.migration.state.seams) if self.migration else None,

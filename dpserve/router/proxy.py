@@ -209,6 +209,9 @@ class ProxyEndpoint:
                 self._resolve_adapter(ex)
                 if ex.adapter is None:
                     check_model(ex.info.model, known)
+            if ex.span is not None:  # checked above: only a name the fleet serves
+                ex.model = ex.client_model if ex.adapter is not None else (
+                    ex.info.model if ex.info.model in known else None)
             if ex.stream and self._migrates:
                 self._track(ex, scope, parsed.payload)
         else:

@@ -27,7 +27,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -40,6 +40,23 @@ __all__ = ["Span", "Tracing"]
 log = logging.getLogger("dpserve.tracing")
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+MAX_ATTRIBUTE_CHARS = 256
+"""Longest attribute value a span keeps, whatever a client sent. A span waits in the
+batch queue (up to 2,048 of them) until it is exported: uncapped, a 4 MiB string set as
+an attribute is held per span there and sent in every export. The router records only
+names it resolved (`Exchange.span_attributes`); this cap is the second line. It is
+longer than any model, adapter or replica name the router accepts; a failed attempt's
+reason is cut at it."""
+
+
+def span_limits() -> SpanLimits:
+    """Bounds on one span (OpenTelemetry's span limits), set here rather than from the
+    `OTEL_*_LIMIT` variables, whose defaults leave attribute length unbounded."""
+    return SpanLimits(max_span_attributes=32, max_events=16, max_links=4,
+                      max_event_attributes=8, max_link_attributes=8,
+                      max_attribute_length=MAX_ATTRIBUTE_CHARS,
+                      max_span_attribute_length=MAX_ATTRIBUTE_CHARS)
 
 
 class _CountingExporter(SpanExporter):
@@ -83,7 +100,8 @@ class Tracing:
                  exporter: SpanExporter | None = None) -> None:
         service = os.environ.get("OTEL_SERVICE_NAME") or "dpserve-router"
         self.endpoint = endpoint
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        self._provider = TracerProvider(resource=Resource.create({"service.name": service}),
+                                        span_limits=span_limits())
         inner = exporter if exporter is not None else OTLPSpanExporter(endpoint=endpoint,
                                                                        timeout=5)
         # The exporter's own per-batch warnings would repeat; ours says it once.

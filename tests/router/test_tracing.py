@@ -12,12 +12,18 @@ import re
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from prometheus_client import CollectorRegistry, Counter
 
-from dpserve.config import ConfigError, build_router_config
-from tests.conftest import running_router
+from dpserve.config import ConfigError, RouterConfig, build_router_config
+from dpserve.router.app import Router
+from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.tracing import MAX_ATTRIBUTE_CHARS, Tracing
+from tests.conftest import running_router, serving
 from tests.fake_tokens import expected_text
 from tests.otlp import OtlpReceiver
 from tests.router.migration_helpers import COMPLETION, all_ready, final, stream, text
+from tests.router.test_adapter_proxy import ready_with, served
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -96,6 +102,63 @@ async def test_a_retry_and_a_stream_that_moved_are_in_the_span(fake_replicas, ot
     retried = otlp.named("dpserve-router")[-1]
     assert retried.attributes["dpserve.attempts"] == 2
     assert retried.events == ["attempt failed"]
+
+
+async def test_a_model_name_the_client_made_up_never_reaches_a_span(fake_replicas, otlp):
+    """A span records the model only once the router resolved it to a name the fleet
+    serves: a 404's made-up name, however long, is not kept in the export queue nor
+    sent to the collector (it was, whole: 4 MiB per request)."""
+    a = await fake_replicas("a")
+    adapters, v1 = served("support", "v1")  # with adapters the name is checked later
+    router = Router(ReplicaPool([Replica("r0", a.url)]),
+                    RouterConfig(health_interval_s=0.2, otlp_traces_endpoint=otlp.url),
+                    adapters=adapters)
+    made_up = "m" * (1024 * 1024)
+    async with serving(router) as (base, _), httpx.AsyncClient() as c:
+        await ready_with(router, v1.engine_name)
+        refused = [(await c.post(base + "/v1/completions", json={
+            "model": made_up + str(i), "prompt": "hi"})).status_code for i in range(3)]
+        pinned = await c.post(base + "/v1/completions",
+                              json={"model": "support@" + made_up, "prompt": "hi"})
+        good = [(await c.post(base + "/v1/completions", json={
+            "model": model, "prompt": "hi"})).status_code
+            for model in ("fake-model", "support")]
+    assert refused == [404] * 3 and pinned.status_code == 404 and good == [200, 200]
+    spans = otlp.named("dpserve-router")
+    assert len(spans) == 6
+    assert [s.attributes.get("gen_ai.request.model") for s in spans] == [
+        None, None, None, None, "fake-model", "support"]
+    assert spans[-1].attributes["dpserve.adapter"] == "support@v1"
+    assert otlp.bytes_received < 64 * 1024  # six spans, not megabytes of a client's name
+
+
+class _Keep(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list = []
+
+    def export(self, spans):  # type: ignore[no-untyped-def]
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def test_every_attribute_and_event_a_span_holds_is_capped():
+    """The second line: whatever reaches a span (a failed attempt's reason quoting a
+    replica, a header a future change records) is cut to a bounded length and count."""
+    kept = _Keep()
+    tracing = Tracing("http://127.0.0.1:9/v1/traces",
+                      Counter("failures", "x", registry=CollectorRegistry()), exporter=kept)
+    span = tracing.begin("POST", "/v1/completions", [])
+    for _ in range(30):
+        span.add_event("attempt failed", {**{f"extra{j}": j for j in range(12)},
+                                          "dpserve.reason": "x" * 100_000})
+    Tracing.end(span, 502, {**{f"dpserve.more{i}": i for i in range(40)},
+                            "dpserve.replica": "r" * 100_000})
+    tracing.close()
+    (done,) = kept.spans
+    assert len(done.attributes["dpserve.replica"]) == MAX_ATTRIBUTE_CHARS
+    assert len(done.attributes) <= 32 and len(done.events) <= 16
+    assert all(len(e.attributes) <= 8 and len(e.attributes["dpserve.reason"])
+               == MAX_ATTRIBUTE_CHARS for e in done.events)
 
 
 async def test_an_unreachable_collector_costs_no_request_and_one_warning(
