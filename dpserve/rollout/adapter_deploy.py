@@ -57,7 +57,10 @@ class AdapterDeploys:
         self._retiring: set[asyncio.Task[None]] = set()
 
     def check_request(self, name: str, served_names: frozenset[str]) -> None:
-        """What can be refused before reading the checkpoint. Refused otherwise."""
+        """What can be refused before reading the checkpoint. Refused otherwise.
+        `served_names`: every model name the replicas report (whatever their state now;
+        `ReplicaPool.reported_models`); empty means none reported yet, and the name
+        cannot be checked against the base model's."""
         if not self._enabled:
             raise Refused(409, "the replicas do not take LoRA adapters: start them with "
                                "`dpserve serve --enable-lora` (for `dpserve router`: vLLM's "
@@ -66,6 +69,11 @@ class AdapterDeploys:
         problem = lora_name_problem(name)
         if problem is not None:
             raise Refused(400, problem, param="name")
+        if not served_names:
+            raise Refused(409, "no replica has reported the models it serves yet, so "
+                               f"{name!r} cannot be checked against the base model's name; "
+                               "deploy once a replica has started (GET /admin/replicas)",
+                          param="name")
         if name in served_names:
             raise Refused(409, f"{name!r} is the served base model's name; give the adapter "
                                "another", param="name")

@@ -158,7 +158,7 @@ class Rollout:
             if self.adapters is None:
                 raise Refused(409, "this router serves no LoRA adapters: start it with "
                                    "--enable-lora", param="name")
-            self.adapters.check_request(name, self._pool.served_models())
+            self.adapters.check_request(name, self._pool.reported_models())
         if self._active is not None and not self._active.done:
             raise Refused(409, f"deploy {self._active.id} of {self._active.checkpoint} is "
                                "in progress; one deploy at a time")

@@ -59,6 +59,10 @@ class Adapters:
         self._current: dict[str, AdapterVersion] = {}
         self._versions: dict[str, AdapterVersion] = {}
         """Every version loaded somewhere, retiring ones included, by engine name."""
+        self._names: set[str] = set()
+        """Every adapter name this table has served, withdrawn ones included: a pinned
+        `NAME@VERSION` of one of them is judged here, never by the engines (which may
+        still hold a withdrawn version until its unload ends, or after a failed one)."""
         self.settle: Callable[[], Awaitable[None]] | None = None
         """With data-plane workers: returns once every worker has applied this table as
         it is now and reported its leases (`dpserve.router.workers`)."""
@@ -68,6 +72,12 @@ class Adapters:
 
     def names(self) -> frozenset[str]:
         return frozenset(self._current)
+
+    @property
+    def in_use(self) -> bool:
+        """An adapter was served at some point: requests' model names are resolved here
+        first (`resolve`)."""
+        return bool(self._names)
 
     def current(self, name: str) -> AdapterVersion | None:
         return self._current.get(name)
@@ -81,20 +91,25 @@ class Adapters:
     def resolve(self, model: str | None) -> AdapterVersion | None:
         """The version a request's `model` means, None for anything not an adapter
         (the base model, or a name the replicas' own check decides on). RouterError 404
-        for an adapter name with a version that is not served (or no longer is)."""
-        if model is None or not self._versions:
+        for a pinned `NAME@VERSION` of an adapter this table has served that is not
+        serving now: replaced, withdrawn, still loading, or never deployed, whatever
+        NAME means now (an engine may still hold a withdrawn version, on base weights
+        it was not trained on)."""
+        if model is None or not self._names:
             return None
         current = self._current.get(model)
         if current is not None:
             return current
         name, sep, _ = model.partition(VERSION_SEP)
-        if not sep or name not in self._current:
+        if not sep or name not in self._names:
             return None
         pinned = self._versions.get(model)
         if pinned is None or pinned.retiring or not pinned.serving:
-            now = self._current[name]
+            now = self._current.get(name)
+            serves = (f"serves version {now.version}" if now is not None
+                      else "is not served")
             raise RouterError(404, f"The model `{model}` does not exist: adapter `{name}` "
-                                   f"serves version {now.version}"
+                                   f"{serves}"
                                    f"{' (the one named was replaced)' if pinned else ''}.",
                               param="model")
         return pinned
@@ -114,6 +129,7 @@ class Adapters:
         if version.engine_name in self._versions:
             raise ValueError(f"{version.engine_name} is already served")
         self._versions[version.engine_name] = version
+        self._names.add(version.name)
 
     def switch(self, version: AdapterVersion) -> AdapterVersion | None:
         """Make `version` what its name means; the version it replaces (now retiring)."""
@@ -134,10 +150,16 @@ class Adapters:
             version.retiring = True
         return version
 
-    def mirror(self, versions: list[AdapterVersion], current: dict[str, str]) -> None:
+    def served_names(self) -> frozenset[str]:
+        """Every adapter name this table has served (`in_use`), withdrawn ones too."""
+        return frozenset(self._names)
+
+    def mirror(self, versions: list[AdapterVersion], current: dict[str, str],
+               names: frozenset[str] = frozenset()) -> None:
         """Make this table a copy of another's (a data-plane worker's copy of the
-        leader's): `current` maps names to engine names. A version already here is
-        updated in place, so the leases requests hold on it stay counted."""
+        leader's): `current` maps names to engine names, `names` are every name it has
+        served. A version already here is updated in place, so the leases requests hold
+        on it stay counted."""
         kept: dict[str, AdapterVersion] = {}
         for version in versions:
             mine = self._versions.get(version.engine_name)
@@ -151,6 +173,7 @@ class Adapters:
         self._versions = kept
         self._current = {name: kept[engine] for name, engine in current.items()
                          if engine in kept}
+        self._names |= names | {v.name for v in kept.values()}
 
     def remove(self, version: AdapterVersion) -> None:
         """Forget a version unloaded everywhere (or whose load was rolled back)."""

@@ -114,6 +114,14 @@ class ReplicaPool:
                 names |= r.models
         return names
 
+    def reported_models(self) -> frozenset[str]:
+        """Model names any replica in the pool reported last, whatever its state now:
+        what a name must not collide with, whether or not a replica is ready."""
+        names: frozenset[str] = frozenset()
+        for r in self._replicas:
+            names |= r.models
+        return names
+
     def add(self, replica: Replica) -> None:
         """Put a replica found at run time (DNS discovery) into the pool, as it is."""
         if self.get(replica.id) is not None:

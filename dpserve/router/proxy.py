@@ -199,7 +199,7 @@ class ProxyEndpoint:
         if self._has_body:
             # With adapters served, their names are resolved first (a replaced version
             # is a 404 that says which one serves), then anything else is checked.
-            adapters = bool(self._adapters)
+            adapters = self._adapters.in_use
             known = self._pool.served_models()
             parsed = parse_request(ex.body, scope["headers"], route=self.route,
                                    known_models=frozenset() if adapters else known,

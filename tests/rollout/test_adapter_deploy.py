@@ -11,7 +11,9 @@ from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.validate import Refused
 from dpserve.router.adapters import Adapters, AdapterVersion
 from dpserve.router.pool import ReplicaPool
+from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_adapter, write_variant
+from tests.rollout.fleet import deploy, fleet, take_down
 
 
 def deploys() -> AdapterDeploys:
@@ -66,6 +68,28 @@ def test_names_that_cannot_serve_an_adapter_are_refused(name, status, message):
     with pytest.raises(Refused) as exc:
         deploys().check_request(name, frozenset({"tiny"}))
     assert exc.value.status == status and message in exc.value.message
+
+
+def test_a_name_is_not_checked_against_nothing():
+    with pytest.raises(Refused) as exc:
+        deploys().check_request("support", frozenset())
+    assert exc.value.status == 409 and "no replica has reported" in exc.value.message
+
+
+async def test_the_base_models_name_is_refused_while_no_replica_is_ready(
+        fake_replicas, tiny_model, tmp_path):
+    """The check reads what every replica reported, not only the ready ones: with the
+    fleet down (or draining, restarting) an adapter could otherwise take the base
+    model's name, and every request for the base would run on the adapter."""
+    async with fleet(fake_replicas, tiny_model, 2, enable_lora=True) as f:
+        for i in range(2):
+            await take_down(f, i)
+        assert f.router.pool.served_models() == frozenset()
+        path, _ = write_adapter(tiny_model, tmp_path)
+        status, refused = await deploy(f, path, name=MODEL)
+    assert status == 409 and refused["error"]["param"] == "name"
+    assert "base model's name" in refused["error"]["message"]
+    assert f.rollout.adapters is not None and not f.rollout.adapters.adapters.in_use
 
 
 def test_replicas_without_adapters_refuse_saying_how_to_start_them():

@@ -86,3 +86,22 @@ async def test_a_replaced_version_or_a_bad_body_is_a_4xx_that_reaches_no_replica
             assert message in answer.error_message
     assert replica.reached() == []
     assert v1.in_flight == v2.in_flight == 0
+
+
+async def test_a_withdrawn_adapter_pinned_by_version_reaches_no_replica(fake_replicas):
+    """After a full deploy with drop_adapters, `support` is a 404 and so is
+    `support@v1`, though the engine still holds v1 until its unload ends."""
+    replica = await fake_replicas("r0")
+    adapters, v1 = served("support", "v1")
+    router = Router(ReplicaPool([Replica("r0", replica.url)]),
+                    RouterConfig(health_interval_s=0.2), adapters=adapters)
+    async with serving(router) as (url, _):
+        await ready_with(router, v1.engine_name)
+        adapters.withdraw("support")  # what drop_adapters does; the unload waits for v1
+        for model in ("support@v1", "support"):
+            raw, _ = await exchange(port_of(url), request(
+                "POST", "/v1/completions", "content-type: application/json",
+                body=json.dumps({"model": model, "prompt": "x"}).encode()))
+            (answer,) = parse_responses(raw)
+            assert answer.status == 404, (model, answer.status)
+    assert replica.reached() == []

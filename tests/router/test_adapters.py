@@ -60,6 +60,39 @@ def test_a_pinned_version_not_served_is_a_404_naming_the_current_one(pinned):
     assert "serves version v2" in exc.value.message
 
 
+def test_a_pinned_version_of_a_withdrawn_or_loading_adapter_is_a_404_for_good():
+    """Whatever NAME means now (nothing, after a deploy's `drop_adapters`), NAME@VERSION
+    not serving is refused here: the engines may still hold it while its last requests
+    end, or after an unload that failed, and it runs on base weights it was not
+    trained on."""
+    adapters = Adapters()
+    adapters.add(v1 := version(v="v1"))
+    with pytest.raises(RouterError, match="adapter `support` is not served"):
+        adapters.resolve("support@v1")  # the first version, still loading
+    adapters.switch(v1)
+    assert adapters.withdraw("support") is v1 and v1.retiring
+    for pinned in ("support@v1", "support@v0"):
+        with pytest.raises(RouterError) as exc:
+            adapters.resolve(pinned)
+        assert exc.value.status == 404 and "is not served" in exc.value.message
+    assert adapters.resolve("support") is None  # no adapter: the base models' check
+    adapters.remove(v1)  # unloaded (or its unload failed on some engine)
+    assert adapters.in_use and len(adapters) == 0
+    with pytest.raises(RouterError):
+        adapters.resolve("support@v1")
+
+
+def test_a_workers_mirror_keeps_the_names_its_leader_served():
+    leader, follower = Adapters(), Adapters()
+    leader.add(v1 := version(v="v1"))
+    leader.switch(v1)
+    leader.withdraw("support")
+    leader.remove(v1)
+    follower.mirror([], {}, leader.served_names())
+    with pytest.raises(RouterError):
+        follower.resolve("support@v1")
+
+
 def test_a_lease_counts_the_requests_on_a_version_even_when_they_fail():
     adapters = Adapters()
     v = version()

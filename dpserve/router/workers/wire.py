@@ -132,6 +132,7 @@ def adapter_table(adapters: Adapters) -> Message:
                       "replicas": sorted(v.replicas)} for v in adapters.versions()],
         "current": {name: version.engine_name for name in adapters.names()
                     if (version := adapters.current(name)) is not None},
+        "names": sorted(adapters.served_names()),
     }
 
 
@@ -139,4 +140,4 @@ def apply_adapter_table(adapters: Adapters, table: Message) -> None:
     versions = [AdapterVersion(name=v["name"], version=v["version"], path=v["path"],
                                rank=v["rank"], serving=v["serving"], retiring=v["retiring"],
                                replicas=set(v["replicas"])) for v in table["versions"]]
-    adapters.mirror(versions, table["current"])
+    adapters.mirror(versions, table["current"], frozenset(table["names"]))
