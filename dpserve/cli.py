@@ -56,9 +56,9 @@ def _flags(ns: argparse.Namespace) -> dict[str, Any]:
             flags["gpus"] = [int(g) for g in flags["gpus"].split(",") if g.strip()]
         except ValueError:
             raise ConfigError(f"gpus: expected comma-separated integers, got {ns.gpus!r}") from None
-    if isinstance(flags.get("trusted_proxies"), str):
-        flags["trusted_proxies"] = [p.strip() for p in flags["trusted_proxies"].split(",")
-                                    if p.strip()]
+    for name in ("trusted_proxies", "local_admin_addresses"):
+        if isinstance(flags.get(name), str):
+            flags[name] = [p.strip() for p in flags[name].split(",") if p.strip()]
     return flags
 
 

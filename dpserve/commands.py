@@ -59,7 +59,15 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="allow --host beyond loopback without an admin key (/admin/* "
                         "then trusts loopback clients)")
     g.add_argument("--trusted-proxies", metavar="ADDR[,ADDR...]",
-                   help="proxies whose X-Forwarded-For is believed (addresses or CIDRs)")
+                   help="proxies whose X-Forwarded-For is believed (addresses or CIDRs); "
+                        "needs an admin key")
+    g.add_argument("--engine-metrics-need-key", action="store_true", default=None,
+                   help="/metrics/engines needs an API key or the admin key (default: open)")
+    g.add_argument("--engine-metrics-cache-s", type=float,
+                   help="/metrics/engines answers from one fetch for this long (default 1)")
+    g.add_argument("--local-admin-addresses", metavar="ADDR[,ADDR...]",
+                   help="loopback client addresses (or CIDRs) that may call /admin/* "
+                        "without an admin key (default 127.0.0.1,::1)")
     g.add_argument("--checkpoint-root", metavar="DIR",
                    help="deploys load checkpoints inside DIR only (default: the served "
                         "model's parent directory)")

@@ -82,6 +82,20 @@ def validate_router(c: RouterConfig) -> None:
         except ValueError:
             raise ConfigError(f"router.trusted_proxies: not an address or network, "
                               f"got {proxy!r}") from None
+    for local in c.local_admin_addresses:
+        try:
+            loopback = ipaddress.ip_network(local, strict=False).is_loopback
+        except ValueError:
+            raise ConfigError(f"router.local_admin_addresses: not an address or network, "
+                              f"got {local!r}") from None
+        require(loopback, "router.local_admin_addresses",
+                "must be loopback addresses (set an admin key to manage the router from "
+                "elsewhere)", local)
+    require(c.engine_metrics_cache_s >= 0, "router.engine_metrics_cache_s", "must be >= 0",
+            c.engine_metrics_cache_s)
+    require(not c.engine_metrics_need_key or bool(c.api_keys) or c.admin_key is not None,
+            "router.engine_metrics_need_key", "needs an API key or the admin key to check "
+            "(DPSERVE_API_KEY, --api-key-file, DPSERVE_ADMIN_KEY)", c.engine_metrics_need_key)
     _validate_admin_exposure(c)
     require(c.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              "router.log_level", "must be debug, info, warning, error or critical", c.log_level)
@@ -100,7 +114,14 @@ def is_loopback_host(host: str) -> bool:
 def _validate_admin_exposure(c: RouterConfig) -> None:
     """Without an admin key, `/admin/*` trusts loopback clients; a listener beyond
     loopback must not rely on that (a sidecar or NAT makes remote clients look local)."""
-    if c.admin_key is not None or c.insecure_admin:
+    if c.admin_key is not None:
+        return
+    if c.trusted_proxies:
+        raise ConfigError(
+            "router.admin_key: required with router.trusted_proxies: a proxy relays remote "
+            "clients, and one on this machine (a sidecar) relays them from a local address "
+            "that /admin would trust; set DPSERVE_ADMIN_KEY or --admin-key-file")
+    if c.insecure_admin:
         return
     exposed = (c.admin_host if c.admin_port is not None else c.host)
     if not is_loopback_host(exposed):

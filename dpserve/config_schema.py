@@ -127,13 +127,14 @@ class RouterConfig:
     admin_key: str | None = field(default=None, repr=False)
     """Key for `/admin/*` (replica list, drain, hot-load), sent as `Authorization:
     Bearer KEY`: at least 16 characters, none of the API keys. From DPSERVE_ADMIN_KEY or
-    `admin_key_file`. Without one, `/admin/*` answers loopback clients only."""
+    `admin_key_file`. Without one, `/admin/*` answers local clients only
+    (`local_admin_addresses`)."""
     admin_key_file: str | None = None
     """File holding the admin key (its first line, at least 16 characters); read at
     start-up."""
     insecure_admin: bool = False
     """Let a router listening beyond loopback start without an admin key (its `/admin/*`
-    then answers loopback clients only). Without this, such a router refuses to start:
+    then answers local clients only). Without this, such a router refuses to start:
     a sidecar proxy or a NAT can make remote clients look local."""
     admin_host: str = "127.0.0.1"
     """Address of the separate admin listener (with `admin_port`)."""
@@ -143,7 +144,22 @@ class RouterConfig:
     trusted_proxies: list[str] | None = None
     """Addresses or networks (CIDR) of proxies in front of the router whose
     X-Forwarded-For and X-Forwarded-Proto are believed. Unset: none are; the client is
-    the connection's peer."""
+    the connection's peer. Setting any requires `admin_key`: a proxy relays remote
+    clients, and one on this machine (a sidecar) relays them from a local address."""
+    local_admin_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1", "::1"])
+    """Client addresses (or loopback networks, CIDR) that count as this machine for
+    `/admin/*` when no admin key is set. Only loopback addresses are accepted. Not all
+    of 127.0.0.0/8 by default: a proxy on this machine relays from addresses there
+    (Istio's sidecar from 127.0.0.6)."""
+    engine_metrics_need_key: bool = False
+    """`/metrics/engines` (every engine's own vLLM series: load, queues, KV cache, token
+    counts) needs an API key or the admin key, as `Authorization: Bearer KEY`
+    (Prometheus: `authorization: {credentials_file: ...}`). Off: open like `/metrics`,
+    for scrapers without a secret; it tells nothing of any request's content."""
+    engine_metrics_cache_s: float = 1.0
+    """`/metrics/engines` answers from one fetch of every engine for this long, and
+    callers meanwhile share one fetch: its cost to the engines is bounded whoever asks
+    how often. Set it near the scrape interval to fetch once per scrape."""
     max_header_bytes: int = 32 * 1024
     """Largest request line plus headers; a larger request gets 431 and its connection
     is closed."""

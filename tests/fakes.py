@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,12 @@ def fake_engine_metrics(running: int, served: int) -> str:
     )
 
 
+def _open_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class FakeReplica:
     name: str
@@ -93,6 +100,10 @@ class FakeReplica:
     """Served at /metrics as is; None: `fake_engine_metrics` of this replica's counts."""
     serve_metrics: bool = True
     """False: /metrics answers 404, like a server started without metrics."""
+    metrics_scrapes: int = 0
+    """GETs of /metrics so far."""
+    metrics_gate: asyncio.Event = field(default_factory=lambda: _open_event())
+    """/metrics answers once it is set (set from the start): a slow scrape, on cue."""
     weights: str | None = None
     """Path of the last `reload_weights` (None: the weights it started with)."""
     weight_version: str = "default"
@@ -132,6 +143,9 @@ class FakeReplica:
     """With `tokens`: streams send nothing more after this many tokens."""
     hang_at_end: bool = False
     """With `tokens`: streams send `[DONE]`, then nothing, never ending the response."""
+    max_model_len: int | None = None
+    """With `tokens`: the context length, and request limits read as vLLM reads them
+    (`fake_tokens.length`); None: 16 tokens whenever no limit is given."""
     first_chunk_gate: asyncio.Event | None = None
     """If set, streams send their head at once and their first chunk once it is set:
     a request queued or in prefill in a busy engine (vLLM answers the head first)."""
@@ -184,6 +198,9 @@ class FakeReplica:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        if not self.metrics_gate.is_set():
+            await self.metrics_gate.wait()
         if not self.serve_metrics:
             raise web.HTTPNotFound
         text = self.metrics if self.metrics is not None else fake_engine_metrics(
@@ -191,7 +208,10 @@ class FakeReplica:
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        card: dict[str, object] = {"id": MODEL, "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     # -- vLLM's dev endpoints (VLLM_SERVER_DEV_MODE=1), as a hot-load uses them ---------
 
@@ -304,7 +324,16 @@ class FakeReplica:
         return True
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        # The fake runs in the router's process: a body the router parsed must parse
+        # here too, however deep the fake's handler sits in the stack (a real engine is
+        # another process). No await in between, so nothing else runs meanwhile.
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + 2000)
+        try:
+            body = json.loads(raw)
+        finally:
+            sys.setrecursionlimit(limit)
         if (not (self.tokens and body.get("stream"))
                 and (answer := self._eval_answer(request, body)) is not None):
             return answer
@@ -343,7 +372,8 @@ class FakeReplica:
                 request, body, name=self.name, fingerprint=FINGERPRINT,
                 cut_after=self.cut_after_tokens, hang_after=self.hang_after_tokens,
                 delay_s=self.chunk_delay_s, hang_at_end=self.hang_at_end,
-                before_first=self._first_chunk if self.first_chunk_gate else None)
+                before_first=self._first_chunk if self.first_chunk_gate else None,
+                max_model_len=self.max_model_len)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,

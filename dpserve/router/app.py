@@ -29,12 +29,12 @@ from dpserve.config import RouterConfig, parse_target
 from dpserve.router.adapters import Adapters
 from dpserve.router.admin import admin_routes
 from dpserve.router.asgi import ASGIApp, Receive, Scope, Send
-from dpserve.router.auth import Authenticate
+from dpserve.router.auth import Authenticate, auth_options, authenticate
 from dpserve.router.budget import BodyBudget
 from dpserve.router.discovery import Discovery
 from dpserve.router.dispatch import Dispatcher
 from dpserve.router.errors import error_response
-from dpserve.router.federate import engine_metrics_endpoint
+from dpserve.router.federate import EngineMetrics, engine_metrics_endpoint
 from dpserve.router.health import EngineScraper, HealthChecker
 from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.policies import make_policy
@@ -104,6 +104,9 @@ class Router:
                           if config.discover is not None else None)
         self.scraper = (EngineScraper(pool, config, self.control)
                         if "engine_load" in self.policy.needs else None)
+        self.engine_metrics = EngineMetrics(pool, self.metrics, self.control,
+                                            max_age_s=config.engine_metrics_cache_s)
+        """What `/metrics/engines` answers (`dpserve.router.federate`)."""
         self.routes = list(routes)
         self.lagging_workers: Callable[[], list[int]] = list
         """Data-plane workers still routing on a table from before the pool last became
@@ -174,7 +177,7 @@ def build_app(router: Router) -> DataPlaneFront:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/metrics/engines", engine_metrics_endpoint(router.pool, router.metrics),
+        Route("/metrics/engines", engine_metrics_endpoint(router.engine_metrics),
               methods=["GET"]),
         *admin_routes(router.pool, router.health, router.dispatcher.streams),
         *router.routes,
@@ -209,8 +212,7 @@ def build_app(router: Router) -> DataPlaneFront:
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
     config = router.config
-    app.add_middleware(Authenticate, api_keys=config.api_keys, admin_key=config.admin_key,
-                       admin_port=config.admin_port)
+    app.add_middleware(Authenticate, **auth_options(config))
     return build_data_plane(router, app, forwarded)
 
 
@@ -229,9 +231,7 @@ def build_data_plane(router: Router, rest: ASGIApp,
                      ) -> DataPlaneFront:
     """The router's entry: forwarded routes straight to their endpoints, the `rest`
     (every other request, and the lifespan) to `rest`."""
-    config = router.config
-    auth = Authenticate(None, api_keys=config.api_keys, admin_key=config.admin_key,
-                        admin_port=config.admin_port)
+    auth = authenticate(None, router.config)
     return DataPlaneFront(rest, forwarded if forwarded is not None
                           else proxy_endpoints(router), auth)
 

@@ -24,6 +24,7 @@ exports anything under `vllm:`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -31,7 +32,6 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from dpserve.httpclient import open_client
 from dpserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.pool import Replica, ReplicaPool
 
@@ -167,19 +167,51 @@ async def fetch_engine_metrics(
     return ok, failed
 
 
-def engine_metrics_endpoint(
-    pool: ReplicaPool, metrics: RouterMetrics, *, timeout_s: float = FETCH_TIMEOUT_S,
-) -> Callable[[Request], Awaitable[Response]]:
+class EngineMetrics:
+    """What `GET /metrics/engines` answers: every engine's series, fetched at most once
+    per `max_age_s` however many callers ask, the callers meanwhile sharing one fetch.
+    Uncached, each anonymous GET made the router query every engine; now the engines'
+    cost is bounded by the router, not by who scrapes. A caller that leaves does not
+    cancel the fetch the others wait for."""
+
+    def __init__(self, pool: ReplicaPool, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 *, max_age_s: float, timeout_s: float = FETCH_TIMEOUT_S) -> None:
+        """`client`: the router's control-plane client (its owner closes it)."""
+        self._pool = pool
+        self._metrics = metrics
+        self._client = client
+        self._max_age_s = max_age_s
+        self._timeout_s = timeout_s
+        self._text: str | None = None
+        self._fetched_at = 0.0
+        self._pending: asyncio.Task[str] | None = None
+        self.fetches = 0
+        """Fetches of every engine made so far."""
+
+    async def text(self) -> str:
+        if self._text is not None and time.monotonic() - self._fetched_at < self._max_age_s:
+            return self._text
+        if self._pending is None:
+            self._pending = asyncio.create_task(self._fetch(), name="dpserve-engine-metrics")
+        return await asyncio.shield(self._pending)
+
+    async def _fetch(self) -> str:
+        try:
+            self.fetches += 1
+            ok, failed = await fetch_engine_metrics(self._pool, self._client,
+                                                    timeout_s=self._timeout_s)
+            for replica_id in failed:
+                self._metrics.engine_scrape_errors.labels(replica_id).inc()
+            self._text, self._fetched_at = merge_expositions(ok), time.monotonic()
+            return self._text
+        finally:
+            self._pending = None
+
+
+def engine_metrics_endpoint(source: EngineMetrics) -> Callable[[Request], Awaitable[Response]]:
     """The Starlette handler of `GET /metrics/engines`."""
 
     async def engine_metrics(request: Request) -> Response:
-        # A client per scrape: scrapes come every few seconds, loopback connects are
-        # cheap, and nothing long-lived is left for the router to own. Built off the
-        # event loop (dpserve.httpclient).
-        async with await open_client() as client:
-            ok, failed = await fetch_engine_metrics(pool, client, timeout_s=timeout_s)
-        for replica_id in failed:
-            metrics.engine_scrape_errors.labels(replica_id).inc()
-        return Response(merge_expositions(ok), media_type=CONTENT_TYPE)
+        return Response(await source.text(), media_type=CONTENT_TYPE)
 
     return engine_metrics

@@ -90,6 +90,26 @@ async def read_all(reader: asyncio.StreamReader, *, quiet_s: float | None,
     return bytes(data), False
 
 
+async def first_response(reader: asyncio.StreamReader, *, deadline_s: float
+                         ) -> RawResponse | None:
+    """The first complete response `reader` gives, or None if none came by the deadline
+    or before the server closed (for a request whose body is held back: its answer
+    must come without it)."""
+    data = bytearray()
+    end = time.monotonic() + deadline_s
+    while (left := end - time.monotonic()) > 0:
+        try:
+            chunk = await asyncio.wait_for(reader.read(65536), left)
+        except (TimeoutError, ConnectionResetError):
+            return None
+        if not chunk:
+            return None
+        data += chunk
+        if answers := parse_responses(bytes(data)):
+            return answers[0]
+    return None
+
+
 class _Collector:
     def __init__(self) -> None:
         self.responses: list[RawResponse] = []

@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from dpserve.config import ConfigError, build_router_config
-from dpserve.router.auth import Authenticate, is_loopback
+from dpserve.router.auth import Authenticate, is_local, networks
 from tests.conftest import running_router
 from tests.fakes import MODEL
 
@@ -77,11 +77,17 @@ async def test_without_an_admin_key_admin_answers_loopback_clients_only():
     assert await call("10.1.2.3", "/v1/completions") == 200  # no API key configured
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("10.0.0.1", False),
-    ("localhost", False), ("", False), (None, False)])
-def test_loopback_is_decided_by_address_not_name(host, loopback):
-    assert is_loopback(host) is loopback
+@pytest.mark.parametrize(("host", "local"), [
+    ("127.0.0.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("127.0.0.6", False), ("127.8.9.1", False), ("::ffff:127.0.0.6", False),
+    ("10.0.0.1", False), ("localhost", False), ("", False), (None, False)])
+def test_local_is_decided_by_address_not_name(host, local):
+    assert is_local(host, networks(["127.0.0.1", "::1"])) is local
+
+
+def test_local_addresses_can_be_widened_to_loopback_networks():
+    assert is_local("127.0.0.6", networks(["127.0.0.0/8"]))
+    assert not is_local("::2", networks(["127.0.0.0/8", "::1"]))
 
 
 def test_keys_come_from_env_or_a_file_and_are_never_shown(tmp_path):

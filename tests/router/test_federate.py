@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpserve.config import ConfigError, build_router_config
 from dpserve.replicas.launcher import free_port
 from dpserve.router.federate import label_sample, merge_expositions
 from tests.conftest import running_router
+from tests.waiting import wait_for
 
 VLLM_LIKE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -121,6 +126,54 @@ async def test_a_replica_that_cannot_be_scraped_is_left_out_and_counted(fake_rep
     assert 'replica="r1"' not in engines and 'replica="r2"' not in engines
     assert 'dpserve_engine_scrape_errors_total{replica="r1"} 1.0' in router
     assert 'dpserve_engine_scrape_errors_total{replica="r2"} 1.0' in router
+
+
+async def test_callers_share_one_fetch_of_the_engines_however_many_ask(fake_replicas):
+    """Anonymous callers cannot make the router query every engine per GET: one fetch
+    serves everyone waiting for it, and its answer serves for `engine_metrics_cache_s`."""
+    a = await fake_replicas("a")
+    b = await fake_replicas("b")
+    async with running_router([a.url, b.url], engine_metrics_cache_s=3600) as (base, router), \
+            httpx.AsyncClient() as c:
+        scraped = (a.metrics_scrapes, b.metrics_scrapes)
+        a.metrics_gate.clear()  # a slow engine: every caller arrives while it is fetched
+        calls = [asyncio.create_task(c.get(base + "/metrics/engines")) for _ in range(20)]
+        await wait_for(lambda: a.metrics_scrapes > scraped[0], "the fetch to reach r0")
+        a.metrics_gate.set()
+        answers = await asyncio.gather(*calls)
+        later = [await c.get(base + "/metrics/engines") for _ in range(20)]
+        assert router.engine_metrics.fetches == 1
+    assert {r.status_code for r in answers + later} == {200}
+    assert len({r.text for r in answers + later}) == 1 and 'replica="r1"' in later[0].text
+    assert (a.metrics_scrapes - scraped[0], b.metrics_scrapes - scraped[1]) == (1, 1)
+
+
+async def test_a_stale_answer_is_fetched_again(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url], engine_metrics_cache_s=0) as (base, router), \
+            httpx.AsyncClient() as c:
+        for _ in range(3):
+            assert (await c.get(base + "/metrics/engines")).status_code == 200
+        assert router.engine_metrics.fetches == 3
+
+
+async def test_engine_metrics_can_need_a_key(fake_replicas):
+    a = await fake_replicas("a")
+    async with running_router([a.url], api_keys=["api-key-12345678"],
+                              admin_key="admin-key-of-sixteen-chars",
+                              engine_metrics_need_key=True) as (base, _), \
+            httpx.AsyncClient() as c:
+        anonymous = await c.get(base + "/metrics/engines")
+        api = await c.get(base + "/metrics/engines",
+                          headers={"authorization": "Bearer api-key-12345678"})
+        admin = await c.get(base + "/metrics/engines",
+                            headers={"authorization": "Bearer admin-key-of-sixteen-chars"})
+        router_metrics = await c.get(base + "/metrics")
+    assert (anonymous.status_code, api.status_code, admin.status_code) == (401, 200, 200)
+    assert anonymous.json()["error"]["code"] == 401
+    assert router_metrics.status_code == 200  # the router's own stay open
+    with pytest.raises(ConfigError, match=r"router\.engine_metrics_need_key"):
+        build_router_config({"engine_metrics_need_key": True}, env={})
 
 
 async def test_engine_metrics_need_no_api_key(fake_replicas):

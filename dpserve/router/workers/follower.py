@@ -1,5 +1,11 @@
 """A follower's side of the workers: apply the leader's table, report, relay the rest.
 
+What a follower relays costs it no more memory than the one-process router would
+hold: a request the leader would refuse without reading its body (a caller without
+the key, a path with no route) is refused here, unread; only `/admin` requests carry
+a body to the leader, read within the admin limit and held against the router's
+body budget (`max_inflight_body_bytes`) as the data plane's are (`follower_app`).
+
 A follower's pool is a mirror: its replicas are added, removed and change state
 only as the leader's table says, except that a replica its own requests find
 unreachable is marked down here at once (as with one worker) and reported, so the
@@ -19,12 +25,17 @@ import logging
 import time
 from typing import Any
 
-from dpserve.router.app import Router, build_data_plane
+from starlette.datastructures import URL
+
+from dpserve.router.admin_body import MAX_ADMIN_BODY_BYTES
+from dpserve.router.app import FORWARDED_ROUTES, Router, build_data_plane
 from dpserve.router.asgi import Receive, Scope, Send
+from dpserve.router.auth import OPEN_PATHS, authenticate, is_admin_path
 from dpserve.router.canary import CanarySplit
-from dpserve.router.errors import error_body
+from dpserve.router.errors import RouterError, error_body
 from dpserve.router.policies import shared_memory
 from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.request import ClientGone, read_body
 from dpserve.router.workers.leader import TICK_S
 from dpserve.router.workers.wire import (
     Channel,
@@ -39,8 +50,8 @@ log = logging.getLogger("dpserve.router")
 
 METRICS_EVERY_S = 1.0
 """How often a follower sends its own metrics; the leader's /metrics lags this much."""
-MAX_RELAYED_BODY_BYTES = 1024 * 1024
-"""Largest body of a request relayed to the leader (admin calls; their limit is 64 KiB)."""
+FORWARDED_PATHS = frozenset(path for path, _ in FORWARDED_ROUTES)
+"""The forwarded routes' paths, whatever the method (a wrong one is the leader's 405)."""
 
 
 class Follower:
@@ -208,9 +219,32 @@ class Follower:
                 **{name: dataclasses.asdict(s) for name, s in split.take_samples().items()}}
 
 
+def leader_has_route(path: str) -> bool:
+    """Whether the leader's app answers `path` with anything but its 404 "no route".
+
+    Its routes are the open probes, the forwarded routes (a wrong method on one is its
+    405) and the control plane, all of which (deploy's routes included) lives under
+    `/admin`. Starlette also redirects a path whose trailing slashes, added or
+    stripped, would match a route (`/health/` is a 307 to `/health`): such a path is
+    the leader's to answer too."""
+    bare = path.rstrip("/")
+    return is_admin_path(path) or bare in OPEN_PATHS or bare in FORWARDED_PATHS
+
+
 def follower_app(router: Router, follower: Follower) -> Any:
-    """The follower's ASGI app: the router's data plane, and every other request (probes,
-    metrics, admin, refusals) answered by the leader."""
+    """The follower's ASGI app: the router's data plane; every other request (probes,
+    metrics, admin, 404s and 405s) answered by the leader, or refused here when the
+    leader would refuse it without reading its body.
+
+    Contract on bodies: only an `/admin` request's body goes to the leader, read whole
+    (at most MAX_ADMIN_BODY_BYTES: 413, before reading when Content-Length says so)
+    while holding `router.bodies` until the leader's reply is back (503 + Retry-After
+    when the budget is spent), so N clients sending bodies cost a follower what they
+    cost the one-process router. Every other request the leader answers without
+    reading a body (its probes, its 405s and redirects take none), so none is read
+    here: it is relayed bodiless, and the front drops the body's bytes once the answer
+    is sent, as the leader's own front does when it answers these.
+    """
 
     async def relay(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -218,28 +252,49 @@ def follower_app(router: Router, follower: Follower) -> Any:
             return
         if scope["type"] != "http":
             return
-        body, more = bytearray(), True
-        while more:
-            event = await receive()
-            if event["type"] == "http.disconnect":
-                return
-            body += event.get("body", b"")
-            more = event.get("more_body", False)
-            if len(body) > MAX_RELAYED_BODY_BYTES:
-                await _answer(send, 413, JSON, error_body(413, "request body too large"))
-                return
-        try:
-            reply = await follower.relay(scope, bytes(body))
-        except ConnectionError:
-            await _answer(send, 503, JSON, error_body(503, "the router is shutting down"))
+        path = scope["path"]
+        if not leader_has_route(path):
+            # The leader's words: Starlette's request.url.path, escapes included.
+            await _answer(send, 404, JSON, error_body(404, f"no route {URL(scope=scope).path}"))
             return
-        headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply["headers"]]
-        await _answer(send, reply["status"], headers, base64.b64decode(reply["body"]))
+        if not is_admin_path(path):
+            await _answer(send, *await _relayed(follower, scope, b""))
+            return
+        with router.bodies.hold() as hold:
+            try:
+                body = await read_body(scope, receive, hold, limit=MAX_ADMIN_BODY_BYTES,
+                                       allowed=True)
+            except ClientGone:
+                return
+            except RouterError as exc:
+                retry = ([] if exc.retry_after_s is None
+                         else [(b"retry-after", str(exc.retry_after_s).encode())])
+                await _answer(send, exc.status, JSON + retry, error_body(exc.status,
+                                                                         exc.message))
+                return
+            reply = await _relayed(follower, scope, body)
+        # The budget is back before the answer is written: a client that reads
+        # slowly holds its connection, not request bytes it no longer needs.
+        await _answer(send, *reply)
 
-    return build_data_plane(router, relay)
+    # The leader's own middleware in front: a refusal here is the leader's, byte for
+    # byte, and is answered before any of the body is read.
+    checked = authenticate(relay, router.config)
+    return build_data_plane(router, checked)
 
 
 JSON = [(b"content-type", b"application/json")]
+Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+async def _relayed(follower: Follower, scope: Scope, body: bytes) -> Reply:
+    """The leader's answer to the request (503 if the leader is gone)."""
+    try:
+        reply = await follower.relay(scope, body)
+    except ConnectionError:
+        return 503, JSON, error_body(503, "the router is shutting down")
+    headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply["headers"]]
+    return reply["status"], headers, base64.b64decode(reply["body"])
 
 
 async def _answer(send: Send, status: int, headers: list[tuple[bytes, bytes]],
