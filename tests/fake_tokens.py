@@ -102,21 +102,40 @@ def expected_text(body: dict[str, Any], n: int) -> str:
     return "".join(text_of(t) for t in generate(prompt_ids(body), n))
 
 
+def length(body: dict[str, Any], prompt_len: int, *, chat: bool,
+           max_model_len: int | None) -> int:
+    """Tokens a request generates (less if a stop comes first). With `max_model_len`, as
+    vLLM 0.32 reads its limit: `"3"` and `3.0` are 3; a chat without one runs to the
+    context length; a completion without one (or with null) stops at 16; a limit past
+    the context's room is cut to it. Without it, 16 whenever no limit is given."""
+    def number(value: Any) -> int | None:
+        return None if value is None else int(float(value))
+    limit = number(body.get("max_completion_tokens")) if chat else None
+    if limit is None:
+        limit = number(body.get("max_tokens"))
+    if limit is None and not chat:
+        limit = 16
+    if max_model_len is None:
+        return limit or 16
+    room = max_model_len - prompt_len
+    return room if limit is None else min(limit, room)
+
+
 async def stream(request: web.Request, body: dict[str, Any], *, name: str, fingerprint: str,
                  cut_after: int | None, hang_after: int | None,
                  delay_s: float, hang_at_end: bool = False,
-                 before_first: Callable[[web.Request], Awaitable[bool]] | None = None
-                 ) -> web.StreamResponse:
+                 before_first: Callable[[web.Request], Awaitable[bool]] | None = None,
+                 max_model_len: int | None = None) -> web.StreamResponse:
     """Answer a streaming completion or chat as vLLM 0.32 does with `return_token_ids`.
     `cut_after` tokens: the connection closes (a replica killed); `hang_after`: nothing
     more is sent (a stalled engine); `hang_at_end`: `[DONE]` is sent, then nothing, the
     response never ended (an engine stopped between its last event and the end);
     `before_first`: awaited after the head went out, before the first event (False:
-    the client left meanwhile)."""
+    the client left meanwhile); `max_model_len`: see `length`."""
     chat = "messages" in body
     ids = body.get("return_token_ids") is True
     prompt = prompt_ids(body)
-    n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+    n = length(body, len(prompt), chat=chat, max_model_len=max_model_len)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{name}", "created": 1700000000,
             "model": body.get("model"),
             "object": "chat.completion.chunk" if chat else "text_completion"}

@@ -24,6 +24,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from dpserve.router.errors import RouterError
 
@@ -220,16 +221,16 @@ def _card(model_id: str, version: AdapterVersion, parent: object, created: objec
                         "rank": version.rank}}
 
 
-def rewrite_model(body: bytes, engine_name: str) -> bytes:
-    """The request body with `model` set to `engine_name`, every other field's value
-    kept (the body was parsed as a JSON object already). Written back as ASCII JSON: a
-    string may hold a lone surrogate (`"\\ud800"` is valid JSON) that UTF-8 cannot
-    encode, and escaped it reaches the engine exactly as the client sent it.
-    RouterError 400 if writing it back nests deeper than Python can."""
-    payload = json.loads(body)
-    payload["model"] = engine_name
+def rewrite_model(payload: dict[str, Any], engine_name: str) -> bytes:
+    """The request body (`payload`, as parsed from the client's) with `model` set to
+    `engine_name`, every other field's value kept. Written from what was parsed, not
+    parsed again: parsing again deeper in the stack failed on a body nested just under
+    the first parse's limit. Written as ASCII JSON: a string may hold a lone surrogate
+    (`"\\ud800"` is valid JSON) that UTF-8 cannot encode, and escaped it reaches the
+    engine exactly as the client sent it. RouterError 400 if writing it back nests
+    deeper than Python can."""
     try:
-        return json.dumps(payload, separators=(",", ":")).encode()
+        return json.dumps(payload | {"model": engine_name}, separators=(",", ":")).encode()
     except RecursionError:
         raise RouterError(400, "request body is nested too deeply") from None
 

@@ -144,10 +144,10 @@ class HealthChecker:
             )
 
     async def _admit_replica(self, replica: Replica) -> None:
-        models = await self._fetch_models(replica)
-        if models is None or replica.state not in CHECKED:
+        found = await self._fetch_models(replica)
+        if found is None or replica.state not in CHECKED:
             return
-        replica.models = models
+        replica.models, replica.max_model_len = found
         problem = await self._admit(replica) if self._admit is not None else None
         if problem is not None:
             replica.last_error = problem
@@ -167,14 +167,19 @@ class HealthChecker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _fetch_models(self, replica: Replica) -> frozenset[str] | None:
+    async def _fetch_models(self, replica: Replica) -> tuple[frozenset[str], int | None] | None:
+        """The names a replica serves and its context length (the largest its base
+        models report: an adapter's card names a parent); None if it cannot tell."""
         try:
             resp = await self._client.get(
                 replica.url + "/v1/models", timeout=self._config.health_timeout_s
             )
             resp.raise_for_status()
-            return frozenset(m["id"] for m in resp.json()["data"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            cards = resp.json()["data"]
+            lengths = [m["max_model_len"] for m in cards if m.get("parent") is None
+                       and type(m.get("max_model_len")) is int and m["max_model_len"] > 0]
+            return frozenset(m["id"] for m in cards), max(lengths, default=None)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("replica %s: healthy but /v1/models failed (%s); not admitting yet",
                         replica.id, exc)
             return None

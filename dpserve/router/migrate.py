@@ -33,6 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpserve.router.errors import RouterError
+from dpserve.router.fields import COMPLETION_MAX_TOKENS
 from dpserve.router.stops import SentText, StopScan, stop_strings
 
 TOKEN_FIELDS = ("token_ids", "prompt_token_ids")
@@ -368,9 +370,13 @@ def continuation(state: StreamState) -> dict[str, Any] | None:
             out[key] = body[key]
     if state.stops:  # its text unheld, for the router's own check (`stops`)
         out |= {"stop": state.stops, "include_stop_str_in_output": True}
-    limit = body.get("max_completion_tokens") if state.chat else None
-    limit = limit if limit is not None else body.get("max_tokens")
-    if isinstance(limit, int):
+    limit = limit_of(body, chat=state.chat)
+    if limit is None:
+        # A chat without a limit runs to the context length. A completion has no way to
+        # say so (without the field, or with null, it stops at 16): the migrator sets
+        # the target's context length, which vLLM clamps to what the context leaves.
+        out["max_tokens"] = None
+    else:
         if limit - len(state.ids) <= 0:
             return None
         out["max_tokens"] = limit - len(state.ids)
@@ -379,11 +385,38 @@ def continuation(state: StreamState) -> dict[str, Any] | None:
     return out
 
 
+def limit_of(body: dict[str, Any], *, chat: bool) -> int | None:
+    """The most tokens a request may generate as vLLM reads it (its fields coerced,
+    `dpserve.router.fields`); None: no limit but the context length. A chat's
+    `max_completion_tokens` wins over its `max_tokens`; a completion without
+    `max_tokens`, or with null, gets vLLM's default."""
+    limit: int | None
+    if chat:
+        limit = body.get("max_completion_tokens")
+        return limit if limit is not None else body.get("max_tokens")
+    limit = body.get("max_tokens")  # null too: vLLM reads it as its default
+    return COMPLETION_MAX_TOKENS if limit is None else limit
+
+
 def upstream_body(body: dict[str, Any], raw: bytes) -> bytes:
     """The request as forwarded while migration may be needed: with token ids. `raw`
     is `body` as received (a JSON object with fields): the field goes in front of
     its first, unless the client set it (then it is written again)."""
     start = raw.find(b"{")
     if "return_token_ids" in body or start < 0:
-        return json.dumps(body | {"return_token_ids": True}, separators=(",", ":")).encode()
+        encoded = encode(body | {"return_token_ids": True})
+        if encoded is None:
+            raise RouterError(400, "request body is nested too deeply")
+        return encoded
     return raw[:start + 1] + b'"return_token_ids":true,' + raw[start + 1:]
+
+
+def encode(body: dict[str, Any]) -> bytes | None:
+    """A request the router writes from a client's JSON, compact; None if it nests too
+    deeply to write. Parsing bounds the depth, but writing runs deeper in the stack (the
+    migration path): a body nested just under the parser's limit raised RecursionError
+    there, a 500 with a traceback."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:
+        return None

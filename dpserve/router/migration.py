@@ -30,7 +30,7 @@ from dpserve.router.errors import sse_error_event
 from dpserve.router.http1 import ResponseTooLarge
 from dpserve.router.live import Evicted
 from dpserve.router.metrics import RouterMetrics
-from dpserve.router.migrate import StreamState, continuation
+from dpserve.router.migrate import StreamState, continuation, encode
 from dpserve.router.policies import RequestInfo
 from dpserve.router.pool import Replica, ReplicaPool
 from dpserve.router.sse import EventFramer, EventTooLarge
@@ -132,7 +132,16 @@ class Migrator:
                         return await self._give_up(stream, reason, "refused", detail,
                                                    "seam_text", source)
                     body = continuation(state) or body
-                outcome = await self._continue(stream, slot, body, source, reason, detail)
+                if body["max_tokens"] is None:  # no limit: to the context's end
+                    if replica.max_model_len is None:
+                        return await self._give_up(stream, reason, "refused", detail,
+                                                   "no_context_length", source)
+                    body["max_tokens"] = replica.max_model_len
+                data = encode(body)
+                if data is None:  # a field carried on nests past what can be written
+                    return await self._give_up(stream, reason, "refused", detail,
+                                               "nested_too_deeply", source)
+                outcome = await self._continue(stream, slot, data, source, reason, detail)
             if outcome is None:
                 return replica.id
             started, why_broken, detail = outcome
@@ -203,12 +212,11 @@ class Migrator:
         finally:
             resp.release()
 
-    async def _continue(self, stream: Stream, slot: Slot, body: dict[str, Any], source: str,
+    async def _continue(self, stream: Stream, slot: Slot, data: bytes, source: str,
                         reason: str, detail: str) -> tuple[bool, str, str] | None:
-        """One continuation on `slot`; None once the stream ended, else whether it
-        had started (then: it broke again), why and what happened."""
+        """One continuation (`data`, its body) on `slot`; None once the stream ended,
+        else whether it had started (then: it broke again), why and what happened."""
         replica = slot.replica
-        data = json.dumps(body, separators=(",", ":")).encode()
         origin = self._origin(replica.url)
         head = b"%s\r\nhost: %s\r\n%s" % (_CONTINUATION_LINE, origin.host_header,
                                           upstream_header_block(stream.scope,

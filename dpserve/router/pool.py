@@ -47,6 +47,8 @@ class Replica:
     weight_version: str | None = None
     models: frozenset[str] = frozenset()
     """Model names the replica serves, read from its /v1/models when it turns ready."""
+    max_model_len: int | None = None
+    """Its context length (vLLM's `max_model_len` in /v1/models); None: not reported."""
     in_flight: int = 0
     avoid: str | None = None
     """Why new requests should go elsewhere while another replica can take them (it is

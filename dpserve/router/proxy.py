@@ -55,6 +55,7 @@ from dpserve.router.budget import BodyBudget
 from dpserve.router.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.errors import RouterError
 from dpserve.router.exchange import Exchange
+from dpserve.router.fields import coerce_fields
 from dpserve.router.metrics import RouterMetrics, status_class
 from dpserve.router.migrate import StreamState, upstream_body
 from dpserve.router.migration import Broken, Migrator, Stream
@@ -206,7 +207,7 @@ class ProxyEndpoint:
                                    keys=self._keys, prefix_chars=self._config.prefix_chars)
             ex.info, ex.stream = parsed.info, parsed.stream
             if adapters:
-                self._resolve_adapter(ex)
+                self._resolve_adapter(ex, parsed.payload)
                 if ex.adapter is None:
                     check_model(ex.info.model, known)
             if ex.span is not None:  # checked above: only a name the fleet serves
@@ -224,6 +225,7 @@ class ProxyEndpoint:
     def _track(self, ex: Exchange, scope: Scope, payload: dict[str, Any]) -> None:
         """Make a stream migratable: its token ids are asked for and kept."""
         chat = self.route == "/v1/chat/completions"
+        coerce_fields(payload, chat=chat)  # what the engine will read, the router reads
         why = refusal(payload, chat=chat)
         if why is not None:
             ex.not_migratable = why
@@ -241,7 +243,7 @@ class ProxyEndpoint:
             finish=lambda data, version: versioned(data, adapter, client_model, version),
             trace=ex.trace)
 
-    def _resolve_adapter(self, ex: Exchange) -> None:
+    def _resolve_adapter(self, ex: Exchange, payload: dict[str, Any]) -> None:
         """A request naming an adapter runs on one version, named as the engines know it."""
         version = self._adapters.resolve(ex.info.model)
         if version is None:
@@ -249,7 +251,7 @@ class ProxyEndpoint:
         ex.adapter = version
         ex.client_model = ex.info.model or ""
         self._metrics.adapter_requests.labels(version.name).inc()
-        ex.body = rewrite_model(ex.body, version.engine_name)
+        ex.body = rewrite_model(payload, version.engine_name)
         ex.info = dataclasses.replace(ex.info, adapter=version.engine_name)
 
     async def _forward(self, ex: Exchange) -> tuple[str, int]:

@@ -172,6 +172,10 @@ async def test_past_the_migration_limit_the_stream_ends_with_an_error_event(fake
     ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"presence_penalty": 0.5}, "penalties"),
     ({"echo": True}, "echo"),
     ({"seed": 7, "temperature": 0.8}, "seed"),
+    # As vLLM reads them (pydantic, lax): strings and whole floats are numbers.
+    ({"n": "2"}, "n"), ({"n": 2.0}, "n"), ({"logprobs": "1"}, "logprobs"),
+    ({"presence_penalty": "0.5"}, "penalties"), ({"echo": "true"}, "echo"),
+    ({"seed": "7", "temperature": "0.8"}, "seed"),
 ])
 async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_before(
         fake_replicas, extra, reason):
@@ -184,6 +188,55 @@ async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_bef
     assert "stream interrupted" in events[-2]["error"]["message"]
     assert "return_token_ids" not in a.requests[-1] and b.requests == []
     assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize("limit", ["12", 12.0, " 12"])
+async def test_a_limit_vllm_reads_as_a_number_holds_across_the_seam(fake_replicas, limit):
+    """`"max_tokens": "12"` is 12 to vLLM: the continuation asks for what is left of
+    it, not for the engine's default (it ran 16 more per seam)."""
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=4, max_model_len=200)
+    b = await fake_replicas("b", tokens=True, max_model_len=200)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", COMPLETION | {"max_tokens": limit})
+    assert final(events)["dpserve"]["migrations"]
+    assert text(events) == expected_text(COMPLETION, 12)
+    assert usage(events)["completion_tokens"] == 12
+    assert isinstance(b.requests[-1]["max_tokens"], int)
+
+
+@pytest.mark.parametrize(("route", "body", "tokens"), [
+    ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "max_tokens"}, 60 - 8),
+    ("/v1/completions", COMPLETION | {"max_tokens": None}, 16),
+    ("/v1/completions", {k: v for k, v in COMPLETION.items() if k != "max_tokens"}, 16),
+], ids=["chat-without-a-limit", "completion-with-null", "completion-without-the-field"])
+async def test_a_continuation_keeps_the_limit_vllm_gave_the_request(fake_replicas, route, body,
+                                                                   tokens):
+    """A chat without a limit runs to the context length; its continuation, a
+    completion, must too (left without a limit it stopped at a completion's 16 more).
+    A completion without one stops at 16 in all, not 16 more per seam."""
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=5, max_model_len=60)
+    b = await fake_replicas("b", tokens=True, max_model_len=60)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, route, body)
+    assert final(events)["dpserve"]["migrations"]
+    chat = route == "/v1/chat/completions"
+    assert text(events, chat=chat) == expected_text(body, tokens)
+    assert usage(events)["completion_tokens"] == tokens
+
+
+async def test_a_chat_without_a_limit_is_not_moved_where_the_context_length_is_unknown(
+        fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True)  # its /v1/models reports no max_model_len
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/chat/completions",
+                              {k: v for k, v in CHAT.items() if k != "max_tokens"})
+        metrics = await scrape(base)
+    assert "stream interrupted" in events[-2]["error"]["message"]
+    assert 'dpserve_migration_refusals_total{reason="no_context_length"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("cut", [4, 6], ids=["whole", "after-a-half-character"])

@@ -81,7 +81,8 @@ def replica_row(replica: Replica, elsewhere: int, slot: int | None) -> Message:
     return {
         "id": replica.id, "url": replica.url, "device": replica.device, "slot": slot,
         "state": replica.state.value, "version": replica.weight_version,
-        "models": sorted(replica.models), "avoid": replica.avoid,
+        "models": sorted(replica.models), "max_model_len": replica.max_model_len,
+        "avoid": replica.avoid,
         "ready_once": replica.has_been_ready, "elsewhere": elsewhere,
         "engine": None if engine is None else _engine_row(engine),
         "scraped_at": replica.engine_scraped_at,
@@ -100,6 +101,7 @@ def apply_row(replica: Replica, row: Message) -> ReplicaState:
     models = frozenset(row["models"])
     if models != replica.models:
         replica.models = models
+    replica.max_model_len = row["max_model_len"]
     replica.avoid = row["avoid"]
     replica.has_been_ready = row["ready_once"]
     engine = row["engine"]
