@@ -37,10 +37,18 @@ _HOP_BY_HOP = frozenset({
     b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })
 _NOT_PASSED_BACK = _HOP_BY_HOP | {b"date", b"server", REQUEST_ID_HEADER.encode()}
-# The client's key is the router's business: replicas never see it (nor a log of theirs).
-_NOT_FORWARDED = _HOP_BY_HOP | {b"authorization", REQUEST_ID_HEADER.encode()}
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 """W3C trace context: replaced by the router span's when tracing is on."""
+FORWARDED_HEADERS = frozenset({b"content-type", b"accept", b"user-agent",
+                               b"x-session-id"}) | TRACE_HEADERS
+"""The only client headers a replica gets (the router adds its own framing, `host` and
+`x-request-id`). An allow-list, because vLLM 0.32 acts on headers a client must not
+choose: `X-data-parallel-rank` picks an engine of a data-parallel server,
+`X-Vllm-Priority` sets a request's scheduling priority, `endpoint-load-metrics-format`
+puts the engine's load in the response's headers, `Authorization` is the client's
+key, and a later version may add more. Kept: what describes the body and the answer
+wanted, the client's name, the trace context, and `X-Session-ID` (the session vLLM
+labels the request's cached blocks with, which the body's `session_id` sets too)."""
 # Bytes no header value may hold (RFC 9110 §5.5): a CR or LF would start a new header
 # line, or a new request, on the replica's side. Tab is allowed.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -142,20 +150,20 @@ def upstream_header_block(scope: Scope, request_id: str, content_length: int | N
     """The client's headers for the replica, as the lines of an HTTP/1.1 head (the
     blank line included), with the request id and the body's length.
 
-    Left out: hop-by-hop headers, those the client's `Connection` names, its framing
-    (the router frames the body itself: `content_length`, or none for a bodiless
-    request) and its `Authorization`. RouterError(400) for a value holding a control
-    character, which could split the head on the replica's side. With `trace` (the
-    router span's `traceparent` lines) the client's trace headers give way to it.
+    Only `FORWARDED_HEADERS` pass, less those the client's `Connection` names (hop by
+    hop); the router frames the body itself (`content_length`, or none for a bodiless
+    request). RouterError(400) for a value holding a control character, which could
+    split the head on the replica's side. With `trace` (the router span's
+    `traceparent` lines) the client's trace headers give way to it.
     """
     headers = scope["headers"]
-    dropped = _NOT_FORWARDED | TRACE_HEADERS if trace else _NOT_FORWARDED
+    allowed = FORWARDED_HEADERS - TRACE_HEADERS if trace else FORWARDED_HEADERS
     for name, value in headers:
         if name == b"connection":
-            dropped = dropped | {t.strip().lower() for t in value.split(b",")}
+            allowed = allowed - {t.strip().lower() for t in value.split(b",")}
     lines = []
     for name, value in headers:
-        if name in dropped:
+        if name not in allowed:
             continue
         if _BAD_VALUE.search(value) is not None:
             raise RouterError(400, f"header {name.decode('latin-1')!r} holds a control "
