@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import secrets
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,11 +98,14 @@ def point_link(link: Path, target: Path) -> None:
         raise
 
 
-async def point_deployed_link(link: Path, target: str, progress: DeployProgress) -> None:
-    """`point_link` after a deploy succeeded, noted in its record; a failure is logged,
-    not raised: the replicas serve the target, only later restarts are affected."""
+async def point_deployed_link(link: Path, target: str, progress: DeployProgress, *,
+                              executor: Executor) -> None:
+    """`point_link` (run on `executor`: the rollout's admin threads) after a deploy
+    succeeded, noted in its record; a failure is logged, not raised: the replicas serve
+    the target, only later restarts are affected."""
     try:
-        await asyncio.to_thread(point_link, link, Path(target))
+        await asyncio.get_running_loop().run_in_executor(executor, point_link, link,
+                                                         Path(target))
     except OSError as exc:
         progress.event(f"could not point {link} at {target}: {exc}", level=logging.ERROR)
     else:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 from dpserve.rollout.lock import DeployLock, LockLost
 from dpserve.rollout.progress import DeployProgress
@@ -21,8 +23,11 @@ log = logging.getLogger("dpserve.rollout")
 
 
 class Lease:
-    def __init__(self, lock: DeployLock | None) -> None:
+    def __init__(self, lock: DeployLock | None, *, executor: Executor | None = None) -> None:
+        """`executor`: where the lock's file I/O runs (a `Rollout`'s admin threads; None:
+        the loop's default pool)."""
         self._lock = lock
+        self._executor = executor
         self._renewing: asyncio.Task[None] | None = None
         self.lost: str | None = None
         """Why the lock was lost during the deploy, if it was."""
@@ -30,7 +35,7 @@ class Lease:
     async def take(self, deploy_id: str) -> None:
         """Take the lock for `deploy_id`; LockHeld if another deploy holds it."""
         if self._lock is not None:
-            await asyncio.to_thread(self._lock.acquire, deploy_id)
+            await self._run(self._lock.acquire, deploy_id)
 
     def keep(self, progress: DeployProgress) -> None:
         """Renew it until `end`; a loss or a failed renewal is an event of `progress`."""
@@ -48,7 +53,7 @@ class Lease:
             self._renewing = None
         if self._lock is not None:
             try:
-                await asyncio.to_thread(self._lock.release)
+                await self._run(self._lock.release)
             except OSError as exc:
                 log.warning("could not release the deploy lock %s: %s", self._lock.path, exc)
 
@@ -56,10 +61,13 @@ class Lease:
         while True:
             await asyncio.sleep(lock.renew_every_s)
             try:
-                await asyncio.to_thread(lock.renew)
+                await self._run(lock.renew)
             except LockLost as exc:
                 self.lost = str(exc)
                 progress.event(f"deploy lock lost: {exc}; aborting", level=logging.ERROR)
                 return
             except OSError as exc:  # storage hiccup: the lock may still be ours, try again
                 progress.event(f"deploy lock: could not renew: {exc}", level=logging.ERROR)
+
+    async def _run(self, fn: Callable[..., None], *args: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -12,6 +12,10 @@ prompt (rendered by the engine's chat template, `POST /tokenize` with `messages`
   the prompt (`prompt_logprobs`), so that free text, where exact match says little,
   is still scored.
 
+The eval file is named by an admin request and read by the router: it must resolve inside
+the checkpoint root and is read as a checkpoint's files are (`_read_eval_file`): no
+symbolic link, no FIFO or device, at most `MAX_EVAL_BYTES`.
+
 The score of a set is the mean over its examples. A gate passes when the candidate's
 score in the gate's metric is at least `min_score`, and (`vs_current`) at least the
 current version's minus `margin`. Every call goes to one engine directly (control
@@ -21,23 +25,32 @@ plane), a few at a time.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from dpserve.records import DataError, read_records
+from dpserve.checkpoint import CheckpointError
+from dpserve.records import DataError, open_error, parse_records, read_regular
 from dpserve.rollout.engine_admin import EngineAdminError
 from dpserve.rollout.progress import GATE_METRICS as METRICS
 from dpserve.rollout.progress import DeployOptions
+from dpserve.rollout.snapshot import open_dir_under
 from dpserve.rollout.validate import Refused
 
 __all__ = ["METRICS", "EvalCase", "Gate", "Score", "gate_for", "load_eval", "score"]
 
 MAX_EXAMPLES = 2_000
 """An eval set runs on a replica out of rotation: bounded work."""
+MAX_EVAL_BYTES = 64 * 1024 * 1024
+"""Largest eval file read. MAX_EXAMPLES examples of 32 KiB each (a long conversation
+apiece) fit with room to spare; the router holds the file in memory, at the word of
+an admin request, so the size is capped as checkpoint metadata's is."""
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 SLACK_TOKENS = 4
 CONCURRENCY = 4
 TIMEOUT_S = 60.0
@@ -53,9 +66,11 @@ class EvalCase:
     """The conversation before the expected assistant turn (chat examples)."""
 
 
-def load_eval(path: Path) -> list[EvalCase]:
-    """The examples of an eval file; DataError naming `FILE:LINE` for a bad one."""
-    records = read_records(path)
+def load_eval(path: Path, *, root: Path) -> list[EvalCase]:
+    """The examples of eval file `path`. Refused (403) unless it resolves inside `root`;
+    DataError naming `FILE:LINE` for a bad example, or the file for one that cannot be
+    an eval set (`_read_eval_file`)."""
+    records = parse_records(_read_eval_file(path, root), path)
     if len(records) > MAX_EXAMPLES:
         raise DataError(f"{path}: {len(records)} examples; an eval set may hold at most "
                         f"{MAX_EXAMPLES}")
@@ -71,6 +86,41 @@ def load_eval(path: Path) -> list[EvalCase]:
         else:
             cases.append(EvalCase(where, record["completion"], prompt=record["prompt"]))
     return cases
+
+
+def _read_eval_file(path: Path, root: Path) -> bytes:
+    """The bytes of `path`, read as a checkpoint's files are (`dpserve.checkpoint.
+    open_regular`): the name must not be a symbolic link; resolved once, it must lie
+    inside `root` (else Refused 403) and is opened from `root` down without following
+    a link at any step (a directory or the file swapped for a link after the check is
+    refused: what is read is what was checked), without blocking, and must be a
+    regular file of at most MAX_EVAL_BYTES."""
+    linked = DataError(f"{path}: a symbolic link; name the eval file itself (links are "
+                       "not followed, as in a checkpoint)")
+    if path.is_symlink():
+        raise linked
+    # realpath, not Path.resolve: that raises on a symbolic link loop (a 500, not a 422).
+    top, real = Path(os.path.realpath(root)), Path(os.path.realpath(path))
+    if not real.is_relative_to(top):
+        raise Refused(403, f"{path} is not inside the checkpoint root {root} (set "
+                           "--checkpoint-root to read eval sets from elsewhere)",
+                      param="eval_data")
+    parts = real.relative_to(top).parts
+    if not parts:
+        raise DataError(f"{path}: a directory, not a regular file")
+    try:
+        parent = open_dir_under(top, parts[:-1], where=real.parent)
+    except CheckpointError as exc:
+        raise DataError(str(exc)) from None
+    except OSError as exc:
+        raise open_error(path, exc) from None
+    try:
+        fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        raise (linked if exc.errno == errno.ELOOP else open_error(path, exc)) from None
+    finally:
+        os.close(parent)
+    return read_regular(fd, path, max_bytes=MAX_EVAL_BYTES)
 
 
 @dataclass(frozen=True)
@@ -188,8 +238,10 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> di
 
 def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | None:
     """The gate a deploy's options ask for (None: no eval set), its eval file read and
-    checked; Refused (nothing changed) for a file outside `root` (403), a malformed one
-    (422, naming `FILE:LINE`) or a fleet of one replica (400)."""
+    checked; Refused (nothing changed) for a file outside `root` (403), one that is not
+    a regular file, is a symbolic link or is larger than MAX_EVAL_BYTES (422), a
+    malformed one (422, naming `FILE:LINE`) or a fleet of one replica (400). Blocking
+    (file I/O), but never on the file's contents: a FIFO or device is refused at once."""
     if options.eval_data is None:
         return None
     if replicas < 2:
@@ -198,12 +250,8 @@ def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | Non
                            "version to compare with: a single replica cannot do either",
                       param="eval_data")
     path = Path(options.eval_data)
-    if not path.resolve().is_relative_to(root.resolve()):
-        raise Refused(403, f"{path} is not inside the checkpoint root {root} (set "
-                           "--checkpoint-root to read eval sets from elsewhere)",
-                      param="eval_data")
     try:
-        cases = load_eval(path)
+        cases = load_eval(path, root=root)
     except DataError as exc:
         raise Refused(422, f"eval set: {exc}", param="eval_data") from None
     return Gate(eval_data=str(path), cases=cases, metric=options.gate_metric,

@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import httpx
 
@@ -85,6 +88,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpserve.rollout")
 
 HISTORY = 20
+ADMIN_THREADS = 2
+"""The rollout's own threads for its blocking file work (eval set, adapter snapshot, lock,
+pruning), apart from the loop's default pool where the data plane builds clients and
+/metrics merges: a read stuck on storage costs the admin API a thread, never requests."""
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Rollout:
@@ -123,6 +133,7 @@ class Rollout:
         self._task: asyncio.Task[None] | None = None
         self._hot_loading: set[str] = set()
         self._checker = Checker()
+        self._admin = ThreadPoolExecutor(ADMIN_THREADS, thread_name_prefix="dpserve-admin")
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
         self.streams: LiveStreams | None = None
@@ -159,9 +170,7 @@ class Rollout:
                 raise Refused(409, "this router serves no LoRA adapters: start it with "
                                    "--enable-lora", param="name")
             self.adapters.check_request(name, self._pool.reported_models())
-        if self._active is not None and not self._active.done:
-            raise Refused(409, f"deploy {self._active.id} of {self._active.checkpoint} is "
-                               "in progress; one deploy at a time")
+        self._refuse_if_busy()
         if self._deployed is None:
             raise Refused(409, "this router does not know which model its replicas serve, "
                                "so it cannot check a checkpoint against it: start "
@@ -182,11 +191,13 @@ class Rollout:
             raise Refused(409, "this router has no snapshot store to copy checkpoints into "
                                "before checking them: start `dpserve router` with "
                                "--snapshot-dir DIR on storage every engine can read")
-        gate = None if name is not None else await asyncio.to_thread(
-            quality.gate_for, options, replicas=n,
-            root=self._root())
+        gate = None
+        if name is None and options.eval_data is not None:
+            gate = await self._blocking(quality.gate_for, options, replicas=n,
+                                        root=self._root())
+            self._refuse_if_busy()  # another request may have started one meanwhile
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        lease = Lease(self._lock)
+        lease = Lease(self._lock, executor=self._admin)
         try:
             await lease.take(deploy_id)
         except LockHeld as exc:
@@ -201,7 +212,7 @@ class Rollout:
         try:
             target: Weights | AdapterVersion = (
                 await self._validate(Path(checkpoint)) if name is None else
-                await asyncio.to_thread(self._validate_adapter, name, Path(checkpoint)))
+                await self._blocking(self._validate_adapter, name, Path(checkpoint)))
             if lease.lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
                                    f"({lease.lost}); nothing was changed")
@@ -211,7 +222,7 @@ class Rollout:
                             exc.message if isinstance(exc, Refused)
                             else f"validation crashed: {exc!r}")
             await lease.end()
-            await asyncio.to_thread(self._prune_snapshots)
+            await self._blocking(self._prune_snapshots)
             raise
         progress.version = target.version
         progress.snapshot = target.path
@@ -249,6 +260,8 @@ class Rollout:
             await asyncio.shield(self._task)
 
     async def aclose(self) -> None:
+        """Stop the deploy in progress, the checking process, the client, and the admin
+        threads: not waited for, as one stuck on storage would hold up the shutdown."""
         if self.adapters is not None:
             await self.adapters.aclose()
         if self._task is not None and not self._task.done():
@@ -260,6 +273,18 @@ class Rollout:
         await self._checker.aclose()
         if self._client is not None:
             await self._client.aclose()
+        self._admin.shutdown(wait=False, cancel_futures=True)
+
+    async def _blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` on the admin threads, never the loop's default pool."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._admin, functools.partial(fn, *args, **kwargs))
+
+    def _refuse_if_busy(self) -> None:
+        """Refused (409) while a deploy runs: one deploy at a time."""
+        if self._active is not None and not self._active.done:
+            raise Refused(409, f"deploy {self._active.id} of {self._active.checkpoint} is "
+                               "in progress; one deploy at a time")
 
     async def _validate(self, ckpt_dir: Path) -> Weights:
         """Snapshot the checkpoint into the store, then check the snapshot: what passes is
@@ -321,7 +346,7 @@ class Rollout:
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
             await lease.end()
-            await asyncio.to_thread(self._prune_snapshots)
+            await self._blocking(self._prune_snapshots)
 
     async def _deploy(self, progress: DeployProgress, target: Weights,
                    options: DeployOptions, lease: Lease,
@@ -342,7 +367,7 @@ class Rollout:
                 if error is None:
                     if self.deployed_link is not None:
                         await point_deployed_link(Path(self.deployed_link), target.path,
-                                                  progress)
+                                                  progress, executor=self._admin)
                     self._recent.append(target.path)
                     self._finish(progress, DeployState.SUCCEEDED)
                     return
@@ -361,7 +386,7 @@ class Rollout:
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
             await lease.end()
-            await asyncio.to_thread(self._prune_snapshots)
+            await self._blocking(self._prune_snapshots)
 
     def _prune_snapshots(self) -> None:
         """Delete snapshots nothing needs: not what replicas should serve, not the last

@@ -79,7 +79,7 @@ class SnapshotStore:
         root = Path(os.path.realpath(within))
         if resolved == root or not resolved.is_relative_to(root):
             raise OutsideRoot(f"{ckpt_dir} is not inside the checkpoint root {root}")
-        src = _open_dir_under(root, resolved.relative_to(root).parts, where=resolved)
+        src = open_dir_under(root, resolved.relative_to(root).parts, where=resolved)
         try:
             raw = read_meta_bytes(resolved, dir_fd=src)
             meta = parse_meta(raw, resolved)
@@ -142,7 +142,7 @@ class SnapshotStore:
             raise
 
 
-def _open_dir_under(root: Path, parts: tuple[str, ...], *, where: Path) -> int:
+def open_dir_under(root: Path, parts: tuple[str, ...], *, where: Path) -> int:
     """A descriptor of `root/parts...`, reached without following any symbolic link below
     `root`: a component swapped for a link since the path was resolved is refused."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
