@@ -60,6 +60,17 @@ class OneWriteCycle(RequestResponseCycle):
     _flush: asyncio.Handle | None = None
 
     async def send(self, message: Any) -> None:
+        try:
+            await self._send(message)
+        finally:
+            if self.response_complete and self.body:
+                # Answered before its body was read (a refusal: 401, 404, 413, 503):
+                # what uvicorn buffered of it (up to its 64 KiB high-water mark plus one
+                # socket read) would stay held until the body ends or the connection
+                # closes; later bytes are dropped as they come.
+                self.body = b""
+
+    async def _send(self, message: Any) -> None:
         held = self._held
         if held is not None:
             if message["type"] != "http.response.body" or self.flow.write_paused:

@@ -264,3 +264,33 @@ def test_a_held_head_is_not_written_once_the_client_left():
         return transport
 
     assert asyncio.run(run()).writes == []
+
+
+async def test_a_body_answered_before_it_was_read_is_not_kept():
+    """A refusal (401, 404, 413) goes out before its body is read: what uvicorn buffered
+    of that body is dropped once the answer is complete, not held by the connection
+    until the client ends the body (one byte every 30 s) or closes it."""
+    async def refuse(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    config = uvicorn.Config(refuse, lifespan="off", access_log=False, log_level="error")
+    config.load()
+    protocol = GuardedProtocol(config=config, server_state=ServerState(), app_state={},
+                               limits=LIMITS)
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    protocol.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\n"
+                           b"content-length: 1048576\r\n\r\n" + b"x" * 200_000)
+    cycle = protocol.cycle
+    assert cycle is not None and len(cycle.body) == 200_000  # buffered, unread
+    for _ in range(100):
+        if cycle.response_complete:
+            break
+        await asyncio.sleep(0)
+    assert cycle.response_complete and b"401" in b"".join(transport.writes)
+    assert len(cycle.body) == 0
+    protocol.data_received(b"x" * 100_000)  # what comes after is dropped as it comes
+    assert len(cycle.body) == 0
+    protocol.connection_lost(None)
