@@ -68,7 +68,7 @@ class OneWriteCycle(RequestResponseCycle):
                 # what uvicorn buffered of it (up to its 64 KiB high-water mark plus one
                 # socket read) would stay held until the body ends or the connection
                 # closes; later bytes are dropped as they come.
-                self.body = b""
+                self.body = bytearray()
 
     async def _send(self, message: Any) -> None:
         held = self._held
