@@ -9,7 +9,7 @@ seconds of the recorded part (``os.times``: every thread of the process, so a
 client that works on a thread of its own, as pyreqwest's runtime does, pays for
 it).
 
-Kinds: ``dpserve`` (`dpserve.router.upstream.UpstreamPool`, the router's own),
+Kinds: ``dpserve`` (`dpserve.router.upstream.client.UpstreamPool`, the router's own),
 ``aiohttp`` (a ClientSession with a keep-alive connector), ``pyreqwest`` (Rust
 reqwest through pyreqwest, one client), ``httpx`` (an AsyncClient).
 """
@@ -35,7 +35,7 @@ DEFAULT_KINDS = ("dpserve", "aiohttp", "pyreqwest")
 
 
 async def make_dpserve(url: str, body: bytes, stream: bool) -> tuple[Send, Callable]:
-    from dpserve.router.upstream import Origin, UpstreamPool
+    from dpserve.router.upstream.client import Origin, UpstreamPool
 
     pool = UpstreamPool()
     origin = Origin.parse(url)

@@ -29,9 +29,9 @@ from dpserve.replicas.launcher import free_port, plan_replicas, usable_cores
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import Rollout
-from dpserve.router.app import build_app
-from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.router.server import bind_socket
+from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.http.app import build_app
+from dpserve.router.http.server import bind_socket
 from dpserve.serve import compose
 from dpserve.tinymodel import TINY_MODEL_NAME
 

@@ -56,7 +56,7 @@ def serve_uvicorn(port: int, plain: bool, two_writes: bool = False) -> None:
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from dpserve.router.front import FrontLimits, GuardedProtocol
+    from dpserve.router.http.front import FrontLimits, GuardedProtocol
 
     class TwoWrites(GuardedProtocol):
         """The guarded protocol with uvicorn's own cycle: head and body written apart."""

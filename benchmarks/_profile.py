@@ -20,7 +20,7 @@ from pathlib import Path
 
 # (layer, module path prefixes); the first layer with a matching prefix wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("dpserve proxy", ("dpserve/router/proxy.py",)),
+    ("dpserve proxy", ("dpserve/router/forward/proxy.py",)),
     ("metrics (dpserve + prometheus_client)", ("dpserve/metrics/", "prometheus_client/")),
     ("dpserve other (auth, pool, policy, app)", ("dpserve/",)),
     ("uvicorn + httptools (server, parsing)", ("uvicorn/", "httptools/")),

@@ -13,7 +13,7 @@ router's own latency and the engine's scrape lag beyond ``--scrape-s``.
 
 Policies:
 
-- dpserve's own, built by ``dpserve.router.policies.make_policy`` and fed real
+- dpserve's own, built by ``dpserve.router.routing.policies.make_policy`` and fed real
   ``Replica`` objects whose in-flight counts this loop keeps: ``least-outstanding``,
   ``round-robin``, ``prefix-affinity``, ``session-affinity``, ``engine-load``;
 - ``cache_aware``: a *model* of vllm-router's (shortest queue when
@@ -51,11 +51,11 @@ import numpy as np
 
 import dpserve.sim.engine as engine_module
 from dpserve.config import RouterConfig
-from dpserve.router.engine_metrics import EngineLoad
-from dpserve.router.policies import RequestInfo, make_policy
-from dpserve.router.policies.prefix_affinity import PREFIX_LOAD_FACTOR
-from dpserve.router.policies.recent_work import RecentWork, under_cap
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.engine_metrics import EngineLoad
+from dpserve.router.fleet.pool import Replica, ReplicaState
+from dpserve.router.routing.policies import RequestInfo, make_policy
+from dpserve.router.routing.policies.prefix_affinity import PREFIX_LOAD_FACTOR
+from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
 from dpserve.sim.config import build_sim_config
 from dpserve.sim.tokenizer import encode
 

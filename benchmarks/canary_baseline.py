@@ -33,7 +33,7 @@ from _fleet import fleet
 from rollout import make_checkpoints
 
 from dpserve.rollout.progress import DeployOptions
-from dpserve.router.canary import CanarySplit, Thresholds, compare
+from dpserve.router.routing.canary import CanarySplit, Thresholds, compare
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS, Payload

@@ -13,10 +13,10 @@ is each server's own cost per request: **CPU µs per request** (psutil, the
 server process and its threads) and req/s at c=C, p50 at c=1.
 
 - ``uvicorn-guarded``: uvicorn + httptools with dpserve's `GuardedProtocol`
-  (the head/body deadlines and size caps of `dpserve.router.front`), as the
+  (the head/body deadlines and size caps of `dpserve.router.http.front`), as the
   router serves today;
 - ``uvicorn-guarded-2w``: the same without the one-write cycle
-  (`dpserve.router.front_cycle`): head and body in two writes, as uvicorn does;
+  (`dpserve.router.http.front_cycle`): head and body in two writes, as uvicorn does;
 - ``uvicorn``: uvicorn's own httptools protocol (what the guard costs);
 - ``granian-asgi``, ``granian-rsgi``: granian (a Rust server on hyper), one
   worker process, one runtime thread, uvloop, its ASGI and its RSGI interface.

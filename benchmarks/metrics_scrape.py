@@ -44,10 +44,10 @@ from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
 from dpserve.replicas.launcher import free_port
-from dpserve.router.app import FORWARDED_ROUTES, Router, build_app
-from dpserve.router.metrics import BREAKER_STATES, RouterMetrics
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.router.server import bind_socket
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.http.app import FORWARDED_ROUTES, Router, build_app
+from dpserve.router.http.server import bind_socket
+from dpserve.router.telemetry.metrics import BREAKER_STATES, RouterMetrics
 
 TARGET_MS = 20.0
 TREE = ("import subprocess, sys, time;"

@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 from _fleet import Fleet, fleet, wait_until
 
-from dpserve.router.pool import ReplicaState
+from dpserve.router.fleet.pool import ReplicaState
 from dpserve.tinymodel import TINY_MODEL_NAME
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

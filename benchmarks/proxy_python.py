@@ -69,7 +69,7 @@ class CannedUpstream:
     """Stands in for `UpstreamPool`: every request is answered at once, from memory."""
 
     def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        from dpserve.router.upstream import UpstreamResponse
+        from dpserve.router.upstream.client import UpstreamResponse
 
         self._make = UpstreamResponse
         self._headers = headers
@@ -94,8 +94,8 @@ class CannedUpstream:
 async def drive(requests: int, concurrency: int, stream: bool, profile: bool,
                 migration: bool = True) -> dict:
     from dpserve.config import RouterConfig
-    from dpserve.router.app import Router, build_app
-    from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+    from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+    from dpserve.router.http.app import Router, build_app
 
     pool = ReplicaPool([Replica(id=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
                                 state=ReplicaState.READY, models=frozenset({MODEL}))

@@ -53,7 +53,7 @@ from _fleet import Fleet, fleet, wait_until
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.progress import DeployOptions
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS, RequestRecord

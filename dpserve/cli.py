@@ -26,11 +26,13 @@ from dpserve import __version__
 from dpserve.commands import add_commands
 from dpserve.config import (
     ConfigError,
+    RouterConfig,
+    ServeConfig,
     build_router_config,
     build_serve_config,
     load_yaml,
 )
-from dpserve.config_reference import document
+from dpserve.config.reference import Section, document
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,8 +42,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dpserve {__version__}")
     add_commands(parser.add_subparsers(dest="command", required=True))
-    document(parser)  # every flag: a help line, and its default
+    document(parser, reference_sections())  # every flag: a help line, and its default
     return parser
+
+
+def reference_sections() -> list[Section]:
+    """The settings the configuration reference and the flags' help describe."""
+    from dpserve.finetune.config import FinetuneConfig  # light: no torch at import
+
+    return [
+        Section("`dpserve serve`: replicas", ServeConfig, "", ("serve",),
+                "YAML keys at the top level of `--config`."),
+        Section("`dpserve serve` and `dpserve router`: the router", RouterConfig, "router.",
+                ("serve", "router"), "YAML keys under `router:`."),
+        Section("`dpserve finetune`", FinetuneConfig, "finetune.", ("finetune",),
+                "YAML keys under `finetune:`, or at the top level of a file of their own. "
+                "The same flags work for `torchrun -m dpserve.finetune.train` (except the "
+                "launcher's process and rendezvous settings)."),
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,9 +143,9 @@ def _merged(adapter: Path) -> Path | None:
 
 def _run(ns: argparse.Namespace, extra: list[str]) -> int:
     if ns.command == "config-reference":
-        from dpserve.config_reference import run
+        from dpserve.config.reference import run
 
-        return run(build_parser(), write=ns.write, check=ns.check)
+        return run(build_parser(), reference_sections(), write=ns.write, check=ns.check)
     if ns.command == "top":
         from dpserve.top.app import run_top
 

@@ -1,7 +1,7 @@
 """The `dpserve` subcommands and their flags (`dpserve.cli` parses with them).
 
 A flag that sets a setting has no default of its own (None): the environment and
-the YAML file may still set it, and `config_reference.document` adds the setting's
+the YAML file may still set it, and `dpserve.config.reference.document` adds the setting's
 default to its help.
 """
 

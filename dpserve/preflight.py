@@ -238,7 +238,7 @@ def listen_or_refuse(found: Findings, config: RouterConfig) -> list[socket.socke
     """Bind the router's sockets (the port check: a bind, not a guess) and raise
     PreflightError with every problem found; else log the notes and return the sockets,
     for the router to serve on."""
-    from dpserve.router.server import PortInUseError, listen  # the serving stack: only now
+    from dpserve.router.http.server import PortInUseError, listen  # the serving stack: only now
 
     problems = list(found.problems)
     sockets: list[socket.socket] = []

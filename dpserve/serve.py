@@ -42,11 +42,11 @@ from dpserve.rollout.progress import DeployOptions, DeployState
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.rollout.validate import Refused
-from dpserve.router.adapters import Adapters
-from dpserve.router.app import Router
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.router.server import listen, uvicorn_server
+from dpserve.router.fleet.adapters import Adapters
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.http.app import Router
+from dpserve.router.http.server import listen, uvicorn_server
+from dpserve.router.telemetry.metrics import RouterMetrics
 from dpserve.router.workers.process import Workers, start_workers
 
 log = logging.getLogger("dpserve.serve")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from dpserve.config import RouterConfig
-from dpserve.router.app import Router
-from dpserve.router.pool import Replica, ReplicaPool
-from dpserve.router.server import bind_socket, uvicorn_server
+from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.http.app import Router
+from dpserve.router.http.server import bind_socket, uvicorn_server
 from tests.fakes import FakeReplica
 
 RunningRouter = tuple[str, Router]

@@ -51,7 +51,7 @@ def graph() -> dict[str, set[str]]:
 
 def package_of(module: str) -> str:
     parts = module.split(".")
-    return ".".join(parts[:2])  # dpserve.router.proxy -> dpserve.router; dpserve.config
+    return ".".join(parts[:2])  # dpserve.router.forward.proxy -> dpserve.router; dpserve.config
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -92,3 +92,43 @@ def test_no_package_imports_itself_through_others():
         edges.setdefault(src, set()).update(package_of(t) for t in targets
                                             if package_of(t) != src)
     assert cycles(edges) == []
+
+
+ROUTER_LAYERS = (
+    ("",),  # the shared vocabulary: errors, sse, asgi, headers
+    ("upstream",),
+    ("fleet",),
+    ("routing", "telemetry"),
+    ("migration",),
+    ("forward",),
+    ("http",),
+    ("workers",),
+)
+"""The router's sub-packages, bottom up: each may import its own and those below it."""
+
+
+def router_part(module: str) -> str | None:
+    """`fleet` for dpserve.router.fleet.pool, "" for dpserve.router.errors, None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["dpserve", "router"]:
+        return None
+    if len(parts) == 3 and (ROOT / "router" / f"{parts[2]}.py").is_file():
+        return ""
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_the_routers_sub_packages_import_only_downwards():
+    rank = {name: i for i, layer in enumerate(ROUTER_LAYERS) for name in layer}
+    folders = {p.name for p in (ROOT / "router").iterdir()
+               if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(rank) - {""}, "a router sub-package missing from ROUTER_LAYERS"
+    upward = []
+    for module, targets in graph().items():
+        src = router_part(module)
+        if src is None:
+            continue
+        for target in targets:
+            dst = router_part(target)
+            if dst is not None and dst != src and rank[dst] >= rank[src]:
+                upward.append(f"{module} -> {target}")
+    assert upward == []

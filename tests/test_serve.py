@@ -21,8 +21,8 @@ import pytest
 from dpserve.config import RouterConfig
 from dpserve.replicas.launcher import free_port
 from dpserve.rollout.deployed import Deployed, Weights
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
-from dpserve.router.server import PortInUseError, bind_socket, listen, uvicorn_server
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.http.server import PortInUseError, bind_socket, listen, uvicorn_server
 from dpserve.serve import announce_ready, compose
 from tests.procs import process_alive
 from tests.rollout.checkpoints import write_adapter

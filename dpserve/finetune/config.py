@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.config import ConfigError, load_yaml, resolve
-from dpserve.fielddocs import as_help, field_docs
+from dpserve.config.fielddocs import as_help, field_docs
 
 
 @dataclass(frozen=True, kw_only=True)

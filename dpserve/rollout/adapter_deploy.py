@@ -35,8 +35,8 @@ from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DeployProgress, DeployState, Phase
 from dpserve.rollout.validate import Refused
 from dpserve.rollout.validate_adapter import validate_adapter
-from dpserve.router.adapters import Adapters, AdapterVersion
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.fleet.adapters import Adapters, AdapterVersion
+from dpserve.router.fleet.pool import Replica, ReplicaPool
 
 log = logging.getLogger("dpserve.rollout")
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from dpserve.rollout.engine_admin import EngineAdminError
-from dpserve.router.adapters import Adapters, AdapterVersion
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.adapters import Adapters, AdapterVersion
+from dpserve.router.fleet.pool import Replica, ReplicaState
 
 log = logging.getLogger("dpserve.rollout.adapters")
 

@@ -25,7 +25,7 @@ from dpserve.httpclient import shared_or_new
 from dpserve.rollout.converge import canary_model
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DEFAULT_CANARY_PROMPT
-from dpserve.router.pool import Replica
+from dpserve.router.fleet.pool import Replica
 
 log = logging.getLogger("dpserve.rollout")
 

@@ -12,7 +12,7 @@
 
 The checkpoint path is read on the router's machine (and loaded by the
 replicas), so it must be absolute; `dpserve deploy` resolves it. Access control
-is `/admin`'s (see dpserve.router.auth).
+is `/admin`'s (see dpserve.router.http.auth).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from starlette.routing import Route
 from dpserve.rollout.progress import DEPLOY_FIELDS, DeployOptions
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.validate import Refused
-from dpserve.router.admin_body import read_json_object
 from dpserve.router.errors import error_response
+from dpserve.router.http.admin_body import read_json_object
 
 
 def deploy_routes(rollout: Rollout) -> list[Route]:

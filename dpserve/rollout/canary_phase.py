@@ -15,8 +15,14 @@ from typing import Any, Protocol
 
 from dpserve.rollout.engine_admin import EngineAdminError
 from dpserve.rollout.progress import DeployOptions, DeployProgress
-from dpserve.router.canary import CanarySplit, Thresholds, baseline_weight, compare, reference
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaState
+from dpserve.router.routing.canary import (
+    CanarySplit,
+    Thresholds,
+    baseline_weight,
+    compare,
+    reference,
+)
 
 TICK_S = 1.0
 

@@ -22,13 +22,13 @@ from dpserve.rollout.canary_phase import Traffic, run_canary
 from dpserve.rollout.deployed import Weights
 from dpserve.rollout.engine_admin import EngineAdmin, EngineAdminError
 from dpserve.rollout.progress import DeployOptions, DeployProgress, Phase, ReplicaProgress
-from dpserve.router.adapters import VERSION_SEP
-from dpserve.router.live import LiveStreams
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.adapters import VERSION_SEP
+from dpserve.router.fleet.live import LiveStreams
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 
 if TYPE_CHECKING:
     from dpserve.rollout.quality import Gate
-    from dpserve.router.metrics import RouterMetrics
+    from dpserve.router.telemetry.metrics import RouterMetrics
 
 _POLL_S = 0.05
 

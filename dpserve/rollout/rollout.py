@@ -17,7 +17,7 @@ and would keep the replica out as long as the longest generation. The record
 counts, per replica, the requests in flight when it was paused (`mixed_versions`:
 their responses may straddle two checkpoints); `no_mixed_versions` waits for them
 (`drain_wait_s`, default 600 s) and fails the deploy rather than pause a busy
-replica. Streams the router can migrate (`dpserve.router.migration`) do not wait
+replica. Streams the router can migrate (`dpserve.router.migration.migrator`) do not wait
 for the pause: at the drain deadline they move to another replica, on the same
 weights when one serves (`migrated_streams`), and any stream still waiting for its
 first chunk starts over on another replica; only the moved ones are waited for.
@@ -42,15 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -58,6 +55,7 @@ from dpserve.checkpoint import CheckpointMeta
 from dpserve.httpclient import shared_or_new
 from dpserve.rollout import quality
 from dpserve.rollout.adapter_deploy import AdapterDeploys
+from dpserve.rollout.admin_threads import AdminThreads
 from dpserve.rollout.canary_phase import Traffic
 from dpserve.rollout.converge import Convergence, Restarter
 from dpserve.rollout.deployed import (
@@ -78,23 +76,16 @@ from dpserve.rollout.progress import (
 from dpserve.rollout.snapshot import SnapshotStore
 from dpserve.rollout.validate import Refused
 from dpserve.rollout.validate_proc import Checker, Job, take_snapshot
-from dpserve.router.adapters import AdapterVersion
-from dpserve.router.live import LiveStreams
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.fleet.adapters import AdapterVersion
+from dpserve.router.fleet.live import LiveStreams
+from dpserve.router.fleet.pool import Replica, ReplicaPool
 
 if TYPE_CHECKING:
-    from dpserve.router.metrics import RouterMetrics
+    from dpserve.router.telemetry.metrics import RouterMetrics
 
 log = logging.getLogger("dpserve.rollout")
 
 HISTORY = 20
-ADMIN_THREADS = 2
-"""The rollout's own threads for its blocking file work (eval set, adapter snapshot, lock,
-pruning), apart from the loop's default pool where the data plane builds clients and
-/metrics merges: a read stuck on storage costs the admin API a thread, never requests."""
-
-P = ParamSpec("P")
-T = TypeVar("T")
 
 
 class Rollout:
@@ -133,7 +124,7 @@ class Rollout:
         self._task: asyncio.Task[None] | None = None
         self._hot_loading: set[str] = set()
         self._checker = Checker()
-        self._admin = ThreadPoolExecutor(ADMIN_THREADS, thread_name_prefix="dpserve-admin")
+        self._admin = AdminThreads()
         self.traffic: Traffic | None = None
         """Where canary traffic is split (the router's dispatcher; set by `compose`)."""
         self.streams: LiveStreams | None = None
@@ -193,11 +184,11 @@ class Rollout:
                                "--snapshot-dir DIR on storage every engine can read")
         gate = None
         if name is None and options.eval_data is not None:
-            gate = await self._blocking(quality.gate_for, options, replicas=n,
+            gate = await self._admin.run(quality.gate_for, options, replicas=n,
                                         root=self._root())
             self._refuse_if_busy()  # another request may have started one meanwhile
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        lease = Lease(self._lock, executor=self._admin)
+        lease = Lease(self._lock, executor=self._admin.executor)
         try:
             await lease.take(deploy_id)
         except LockHeld as exc:
@@ -212,7 +203,7 @@ class Rollout:
         try:
             target: Weights | AdapterVersion = (
                 await self._validate(Path(checkpoint)) if name is None else
-                await self._blocking(self._validate_adapter, name, Path(checkpoint)))
+                await self._admin.run(self._validate_adapter, name, Path(checkpoint)))
             if lease.lost is not None:
                 raise Refused(409, f"the deploy lock was lost while validating "
                                    f"({lease.lost}); nothing was changed")
@@ -222,7 +213,7 @@ class Rollout:
                             exc.message if isinstance(exc, Refused)
                             else f"validation crashed: {exc!r}")
             await lease.end()
-            await self._blocking(self._prune_snapshots)
+            await self._admin.run(self._prune_snapshots)
             raise
         progress.version = target.version
         progress.snapshot = target.path
@@ -273,12 +264,7 @@ class Rollout:
         await self._checker.aclose()
         if self._client is not None:
             await self._client.aclose()
-        self._admin.shutdown(wait=False, cancel_futures=True)
-
-    async def _blocking(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """`fn(*args, **kwargs)` on the admin threads, never the loop's default pool."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._admin, functools.partial(fn, *args, **kwargs))
+        self._admin.close()
 
     def _refuse_if_busy(self) -> None:
         """Refused (409) while a deploy runs: one deploy at a time."""
@@ -346,7 +332,7 @@ class Rollout:
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
             await lease.end()
-            await self._blocking(self._prune_snapshots)
+            await self._admin.run(self._prune_snapshots)
 
     async def _deploy(self, progress: DeployProgress, target: Weights,
                    options: DeployOptions, lease: Lease,
@@ -367,7 +353,7 @@ class Rollout:
                 if error is None:
                     if self.deployed_link is not None:
                         await point_deployed_link(Path(self.deployed_link), target.path,
-                                                  progress, executor=self._admin)
+                                                  progress, executor=self._admin.executor)
                     self._recent.append(target.path)
                     self._finish(progress, DeployState.SUCCEEDED)
                     return
@@ -386,7 +372,7 @@ class Rollout:
             self._finish(progress, DeployState.FAILED, f"internal error: {exc!r}")
         finally:
             await lease.end()
-            await self._blocking(self._prune_snapshots)
+            await self._admin.run(self._prune_snapshots)
 
     def _prune_snapshots(self) -> None:
         """Delete snapshots nothing needs: not what replicas should serve, not the last

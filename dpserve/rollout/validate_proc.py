@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
+from dpserve.config.settings import without_settings
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
 from dpserve.rollout.validate import Refused, fingerprint, refused, validate_checkpoint
-from dpserve.settings import without_settings
 
 STDERR_TAIL = 2000
 """Characters of a crashed child's stderr kept in the error."""

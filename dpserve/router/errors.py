@@ -3,7 +3,7 @@
 Everything the router itself rejects or fails is answered in OpenAI's shape,
 the same one vLLM uses, so a client sees a single error format whether a
 request failed in the router or in a replica (a replica's error in another shape
-is put into it: `dpserve.router.upstream_errors`)::
+is put into it: `dpserve.router.forward.upstream_errors`)::
 
     {"error": {"message": "...", "type": "NotFoundError", "param": "model", "code": 404}}
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.settings import require as _require
-from dpserve.settings import resolve
+from dpserve.config.settings import require as _require
+from dpserve.config.settings import resolve
 
 
 @dataclass(frozen=True, kw_only=True)

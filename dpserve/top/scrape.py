@@ -3,11 +3,11 @@
 Two texts feed it: the router's own `/metrics` (the device collectors of
 `dpserve.metrics`: `dpserve_gpu_*` on GPU replicas, `dpserve_replica_cpu_*` and
 `_memory_rss_bytes` on CPU ones, each labelled `replica`) and `/metrics/engines`
-(every replica's vLLM metrics, labelled `replica` by `dpserve.router.federate`).
+(every replica's vLLM metrics, labelled `replica` by `dpserve.router.telemetry.federate`).
 
 vLLM labels its series `model_name` and `engine` (several engines when one server
 runs data-parallel internally): counts, counters and histogram buckets are summed
-over those, KV-cache usage takes the fullest engine, as `dpserve.router.engine_metrics`
+over those, KV-cache usage takes the fullest engine, as `dpserve.router.fleet.engine_metrics`
 does for routing. A series that is absent stays None, never a guessed 0: a replica
 that has not reported must not look idle.
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve.router.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
+from dpserve.router.fleet.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
 
 LABEL = "replica"
-"""The label `dpserve.router.federate` adds to engine samples and the device collectors
+"""The label `dpserve.router.telemetry.federate` adds to engine samples and the device collectors
 put on theirs (not imported from federate: that would load the router's web stack)."""
 
 GENERATION_TOKENS = "vllm:generation_tokens_total"

@@ -19,8 +19,8 @@ import yaml
 
 from dpserve.cli import _parser
 from dpserve.config import RouterConfig
-from dpserve.router.app import Router, build_app
-from dpserve.router.pool import ReplicaPool
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.http.app import Router, build_app
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -16,8 +16,8 @@ from packaging.requirements import Requirement
 
 from dpserve.cli import _parser
 from dpserve.config import RouterConfig, build_router_config
-from dpserve.router.app import Router, build_app
-from dpserve.router.pool import ReplicaPool
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.http.app import Router, build_app
 
 ROOT = Path(__file__).parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

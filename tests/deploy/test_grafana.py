@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.telemetry.metrics import RouterMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dpserve.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),

@@ -25,8 +25,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.pool import ReplicaPool
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.telemetry.metrics import RouterMetrics
 from tests.deploy.k8s import (
     K8S,
     KUBERNETES_VERSIONS,

@@ -104,7 +104,7 @@ def test_a_command_in_the_docs_parses(where, program, argv):
 
 RUN_BY = {
     ("dpserve", "serve"): "tests/integration/conftest.py::start_deployment",
-    ("dpserve", "router"): "tests/router/test_discovery.py::"
+    ("dpserve", "router"): "tests/router/fleet/test_discovery.py::"
                            "test_dpserve_router_discovers_a_replica_by_resolving_localhost",
     ("dpserve", "finetune"): "tests/finetune/test_train.py::"
                              "test_sigterm_saves_at_the_next_step_and_exits_cleanly",

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from dpserve.demo import wait_ready
-from dpserve.router.engine_metrics import parse_engine_metrics
+from dpserve.router.fleet.engine_metrics import parse_engine_metrics
 from tests.finetune_helpers import reference_greedy
 from tests.integration.conftest import (
     MODEL_NAME,

@@ -241,7 +241,7 @@ REFUSED = {
     "several_prompts": {"prompt": ["Once upon a time", "In a land far away"]},
 }
 """A stream vLLM serves but the router may not continue as the same request, by the
-reason the router counts (dpserve.router.movable)."""
+reason the router counts (dpserve.router.migration.eligibility)."""
 
 
 def refusals(d: Deployment) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """A just-started real `dpserve serve` (vLLM replicas) already has a sample of every
 `dpserve_*` series its dashboard and alert rules read: the check of
-tests/router/test_series.py, on the real thing."""
+tests/router/telemetry/test_series.py, on the real thing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Deployment
-from tests.router.test_series import GPU_SERIES, PROCESS_SERIES, missing, sample_names
+from tests.router.telemetry.test_series import GPU_SERIES, PROCESS_SERIES, missing, sample_names
 
 pytestmark = pytest.mark.vllm
 

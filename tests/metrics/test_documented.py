@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
-from dpserve.router.metrics import RouterMetrics
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.telemetry.metrics import RouterMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 

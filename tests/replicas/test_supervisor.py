@@ -24,7 +24,7 @@ from dpserve.replicas.supervisor import (
     last_log_line,
     restart_delay,
 )
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
 from tests.waiting import wait_for, wait_for_sync
 
@@ -116,7 +116,7 @@ from pathlib import Path
 from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import ReplicaSpec
 from dpserve.replicas.supervisor import Supervisor
-from dpserve.router.pool import Replica, ReplicaPool
+from dpserve.router.fleet.pool import Replica, ReplicaPool
 
 async def main():
     spec = ReplicaSpec(**json.loads(sys.argv[1]), log_path=Path(sys.argv[2]))

@@ -12,7 +12,7 @@ from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import argv_with_model
 from dpserve.replicas.supervisor import Supervisor
 from dpserve.rollout.deployed import Deployed, Weights
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from tests.procs import processes_in_group
 from tests.replicas.test_supervisor import fake_specs
 from tests.waiting import wait_for

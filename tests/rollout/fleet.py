@@ -19,8 +19,8 @@ from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, weights_for
 from dpserve.rollout.rollout import Rollout
 from dpserve.rollout.snapshot import SnapshotStore
-from dpserve.router.app import Router
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.http.app import Router
 from dpserve.serve import compose
 from tests.conftest import serving
 from tests.fakes import FakeReplica

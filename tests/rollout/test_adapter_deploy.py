@@ -9,8 +9,8 @@ import pytest
 from dpserve import checkpoint as ckpt
 from dpserve.rollout.adapter_deploy import AdapterDeploys
 from dpserve.rollout.validate import Refused
-from dpserve.router.adapters import Adapters, AdapterVersion
-from dpserve.router.pool import ReplicaPool
+from dpserve.router.fleet.adapters import Adapters, AdapterVersion
+from dpserve.router.fleet.pool import ReplicaPool
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_adapter, write_variant
 from tests.rollout.fleet import deploy, fleet, take_down

@@ -19,8 +19,8 @@ from dpserve.rollout.adapter_rollout import (
     retire,
 )
 from dpserve.rollout.engine_admin import EngineAdminError
-from dpserve.router.adapters import Adapters, AdapterVersion
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.adapters import Adapters, AdapterVersion
+from dpserve.router.fleet.pool import Replica, ReplicaState
 
 
 class EngineAdapters:

@@ -6,7 +6,7 @@ client request) is in tests/integration/test_deploy.py."""
 from __future__ import annotations
 
 from dpserve.rollout.admit import Admission
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaState
 from tests.fakes import MODEL
 
 

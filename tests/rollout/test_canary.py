@@ -13,9 +13,15 @@ import pytest
 
 from dpserve.rollout.client import AdminClient, run_deploy
 from dpserve.rollout.deployed import weights_for
-from dpserve.router.breaker import Outcome
-from dpserve.router.canary import CanarySplit, Thresholds, baseline_weight, compare, reference
-from dpserve.router.pool import Replica
+from dpserve.router.fleet.breaker import Outcome
+from dpserve.router.fleet.pool import Replica
+from dpserve.router.routing.canary import (
+    CanarySplit,
+    Thresholds,
+    baseline_weight,
+    compare,
+    reference,
+)
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import HOT_LOAD, deploy, fleet

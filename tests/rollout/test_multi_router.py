@@ -16,8 +16,8 @@ import pytest
 from dpserve.config import RouterConfig
 from dpserve.rollout.deployed import Deployed, point_link, weights_for
 from dpserve.rollout.rollout import Rollout
-from dpserve.router.app import Router
-from dpserve.router.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.http.app import Router
 from dpserve.serve import compose
 from tests.conftest import serving
 from tests.fakes import MODEL, FakeReplica

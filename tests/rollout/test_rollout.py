@@ -16,8 +16,8 @@ import pytest
 
 from dpserve import checkpoint as ckpt
 from dpserve.rollout.deployed import weights_for
-from dpserve.router.adapters import AdapterVersion
-from dpserve.router.pool import ReplicaState
+from dpserve.router.fleet.adapters import AdapterVersion
+from dpserve.router.fleet.pool import ReplicaState
 from tests import fake_tokens
 from tests.fakes import MODEL
 from tests.rollout.checkpoints import perturbed, write_adapter, write_variant

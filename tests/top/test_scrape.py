@@ -8,7 +8,7 @@ import pytest
 
 from dpserve.metrics.fake_nvml import FakeGpu, FakeNvml
 from dpserve.metrics.gpu import GpuCollector
-from dpserve.router.federate import merge_expositions
+from dpserve.router.telemetry.federate import merge_expositions
 from dpserve.top.scrape import ReplicaSample, ScrapeError, parse_replicas
 from tests.fakes import fake_engine_metrics
 

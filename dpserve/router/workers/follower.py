@@ -27,15 +27,15 @@ from typing import Any
 
 from starlette.datastructures import URL
 
-from dpserve.router.admin_body import MAX_ADMIN_BODY_BYTES
-from dpserve.router.app import FORWARDED_ROUTES, Router, build_data_plane
 from dpserve.router.asgi import Receive, Scope, Send
-from dpserve.router.auth import OPEN_PATHS, authenticate, is_admin_path
-from dpserve.router.canary import CanarySplit
 from dpserve.router.errors import RouterError, error_body
-from dpserve.router.policies import shared_memory
-from dpserve.router.pool import Replica, ReplicaState
-from dpserve.router.request import ClientGone, read_body
+from dpserve.router.fleet.pool import Replica, ReplicaState
+from dpserve.router.forward.request import ClientGone, read_body
+from dpserve.router.http.admin_body import MAX_ADMIN_BODY_BYTES
+from dpserve.router.http.app import FORWARDED_ROUTES, Router, build_data_plane
+from dpserve.router.http.auth import OPEN_PATHS, authenticate, is_admin_path
+from dpserve.router.routing.canary import CanarySplit
+from dpserve.router.routing.policies import shared_memory
 from dpserve.router.workers.leader import TICK_S
 from dpserve.router.workers.wire import (
     Channel,

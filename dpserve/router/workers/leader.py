@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.router.asgi import Scope
-from dpserve.router.canary import CanarySplit, Sample
 from dpserve.router.errors import error_body
-from dpserve.router.live import NONE_MOVING, Moving
-from dpserve.router.metrics_collectors import WorkerRow, WorkersCollector
-from dpserve.router.policies import Journal, shared_memory
-from dpserve.router.pool import Replica
+from dpserve.router.fleet.live import NONE_MOVING, Moving
+from dpserve.router.fleet.pool import Replica
+from dpserve.router.routing.canary import CanarySplit, Sample
+from dpserve.router.routing.policies import Journal, shared_memory
+from dpserve.router.telemetry.collectors import WorkerRow, WorkersCollector
 from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
 from dpserve.router.workers.work_table import MAX_SLOTS, WorkTable, share
 

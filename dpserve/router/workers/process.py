@@ -20,9 +20,9 @@ import sys
 import prometheus_client
 
 from dpserve.config import RouterConfig
-from dpserve.router.app import Router
-from dpserve.router.pool import ReplicaPool
-from dpserve.router.server import bind_socket, uvicorn_server
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.http.app import Router
+from dpserve.router.http.server import bind_socket, uvicorn_server
 from dpserve.router.workers.follower import Follower, follower_app
 from dpserve.router.workers.leader import Leader
 from dpserve.router.workers.wire import Channel, config_from, config_message

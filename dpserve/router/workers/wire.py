@@ -21,9 +21,9 @@ import socket
 from typing import Any
 
 from dpserve.config import RouterConfig
-from dpserve.router.adapters import Adapters, AdapterVersion
-from dpserve.router.engine_metrics import EngineLoad
-from dpserve.router.pool import Replica, ReplicaState
+from dpserve.router.fleet.adapters import Adapters, AdapterVersion
+from dpserve.router.fleet.engine_metrics import EngineLoad
+from dpserve.router.fleet.pool import Replica, ReplicaState
 
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """Largest message: a relayed `/metrics/engines` answer for a large fleet fits."""

@@ -22,9 +22,9 @@ import mmap
 import os
 from collections.abc import Callable
 
-from dpserve.router.policies import Shared
-from dpserve.router.policies.recent_work import RecentWork
-from dpserve.router.pool import Replica
+from dpserve.router.fleet.pool import Replica
+from dpserve.router.routing.policies import Shared
+from dpserve.router.routing.policies.recent_work import RecentWork
 
 MAX_SLOTS = 1024
 """Replicas numbered per router (discovery may add more over time; past this many,

@@ -1,0 +1,377 @@
+"""Forwarding one client request to the replicas, as a pure ASGI endpoint.
+
+The data plane: raw ASGI on the client side (`dpserve.router.asgi`) and a
+minimal HTTP/1.1 client on the replica side (`dpserve.router.upstream.client`), so
+that a request costs as little as possible. (aiohttp's client, the fastest
+general-purpose one measured for this, was still the largest cost per request.)
+
+Order of events for one request:
+
+1. read the body (bounded: 413 past the limit, 503 when all requests together hold
+   too much), parse it (400 unless a JSON object), check the model name against the
+   replicas' (404), read its affinity keys. A route without a body (`GET /v1/models`)
+   refuses one (400): bytes the router does not frame itself never reach a replica;
+2. ask the dispatcher for a replica (`dpserve.router.routing.dispatch`: policy, caps,
+   admission queue, circuit breakers) and hold a slot on it for the attempt;
+3. send upstream; if the attempt fails in a way `retry.is_retryable` allows —
+   always before a single byte went to the client — try another replica after
+   a short backoff (bounded attempts): the client has seen nothing, so a retry
+   is invisible;
+4. pass the response through: whole for JSON, chunk by chunk for streams
+   (`dpserve.router.forward.relay`). A stream that breaks after it started ends with an SSE
+   error event, never a hang, after whole events only (`dpserve.router.sse`);
+5. if the client disconnects at any point, the upstream request is closed, so
+   vLLM aborts the generation instead of computing it for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from dpserve.config import RouterConfig
+from dpserve.router.asgi import DisconnectWatch, Receive, ReplyTracker, Scope, Send, send_json_error
+from dpserve.router.errors import RouterError
+from dpserve.router.fleet.adapters import (
+    Adapters,
+    list_models,
+    rewrite_model,
+    versioned,
+)
+from dpserve.router.fleet.breaker import Outcome, classify
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.forward.budget import BodyBudget
+from dpserve.router.forward.exchange import Exchange
+from dpserve.router.forward.relay import Restart, StreamRelay
+from dpserve.router.forward.request import ClientGone, check_model, parse_request, read_body
+from dpserve.router.forward.retry import backoff, is_retryable
+from dpserve.router.forward.upstream_errors import relay_error
+from dpserve.router.headers import downstream_headers, request_id, upstream_header_block
+from dpserve.router.migration.continuation import upstream_body
+from dpserve.router.migration.eligibility import refusal
+from dpserve.router.migration.fields import coerce_fields
+from dpserve.router.migration.migrator import Broken, Migrator, Stream
+from dpserve.router.migration.replay import StreamState
+from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
+from dpserve.router.routing.policies import RequestInfo
+from dpserve.router.telemetry.metrics import RouterMetrics, status_class
+from dpserve.router.telemetry.tracing import Tracing
+from dpserve.router.upstream.client import Origin, ResponseTooLarge, UpstreamPool
+
+log = logging.getLogger("dpserve.proxy")
+
+# Errors that mean "the connection broke or never was": `upstream`'s ConnectFailed
+# and Disconnected are OSErrors; its timeouts are TimeoutErrors.
+_UNREACHABLE = (OSError,)
+
+_MIGRATABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class ProxyEndpoint:
+    """ASGI app forwarding one route (`POST /v1/completions`, ...) to the replicas."""
+
+    def __init__(
+        self,
+        route: str,
+        *,
+        pool: ReplicaPool,
+        dispatcher: Dispatcher,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        upstream: UpstreamPool,
+        bodies: BodyBudget,
+        keys: frozenset[str] = frozenset(),
+        method: str = "POST",
+        adapters: Adapters | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.route = route
+        self._tracing = tracing
+        self.method = method
+        self._bodies = bodies
+        self._pool = pool
+        self._dispatch = dispatcher
+        self._config = config
+        self._metrics = metrics
+        self._upstream = upstream
+        self._has_body = method == "POST"
+        self._keys = keys
+        self._adapters = adapters if adapters is not None else Adapters()
+        self._lists_models = route == "/v1/models"
+        """The affinity keys the policy reads (`Policy.needs`): no other is computed."""
+        # Per-request costs kept out of the hot path: parsed replica URLs, the request
+        # line, and the metric children of this route.
+        self._origins: dict[str, Origin] = {}
+        self._request_line = f"{method} {route}".encode()
+        self._duration = metrics.request_duration.labels(route)
+        self._first_byte = metrics.time_to_first_byte.labels(route)
+        self._counted: dict[tuple[str, int], Any] = {}
+        # A replica that leaves drops its series; one that comes back under the same id
+        # gets new ones, which the cache must not hide.
+        pool.on_membership(lambda r: None, lambda r: self._counted.clear())
+        self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
+        self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
+                                  origin=self._origin, config=config, metrics=metrics)
+        self._streams = StreamRelay(route, config=config, metrics=metrics,
+                                    first_byte=self._first_byte, migrator=self._migrator,
+                                    live=dispatcher.streams)
+
+    def _origin(self, base: str) -> Origin:
+        origin = self._origins.get(base)
+        if origin is None:
+            if len(self._origins) >= 1024:  # replicas come and go (discovery): stay bounded
+                self._origins.clear()
+            origin = self._origins[base] = Origin.parse(base)
+        return origin
+
+    def _count(self, served_by: str, status: int) -> None:
+        key = (served_by, status)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self._metrics.requests.labels(
+                self.route, served_by, status_class(status))
+        child.inc()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex = Exchange(request_id(scope), ReplyTracker(send), time.perf_counter())
+        if self._tracing is not None:
+            ex.span = self._tracing.begin(scope["method"], self.route, scope["headers"])
+            ex.trace = self._tracing.header_lines(ex.span)
+        served_by = "none"
+        status = 500
+        watch: DisconnectWatch | None = None
+        try:
+            if scope["method"] != self.method:  # HEAD of a GET route: never forwarded
+                raise RouterError(405, f"method {scope['method']} is not allowed on "
+                                       f"{self.route}")
+            with self._bodies.hold() as hold:
+                ex.body = await read_body(scope, receive, hold, allowed=self._has_body,
+                                          limit=self._config.max_body_bytes)
+                self._prepare(ex, scope)
+                watch = DisconnectWatch(receive, asyncio.current_task(), ex.replied)
+                if ex.adapter is None:
+                    served_by, status = await self._forward(ex)
+                else:  # held to the response's end: a retiring version waits for it
+                    with self._adapters.lease(ex.adapter):
+                        served_by, status = await self._forward(ex)
+        except RouterError as exc:
+            status = exc.status
+            if not ex.replied.started:
+                await send_json_error(ex.replied, exc, ex.request_id)
+        except ClientGone:
+            status = 499  # client closed request (nginx's convention)
+            self._metrics.client_disconnects.labels(self.route).inc()
+        except asyncio.CancelledError:
+            if watch is None or not watch.fired:
+                raise  # shutdown, not the client
+            # Our own watcher cancelled us because the client left: not an error.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            status = 499
+            self._metrics.client_disconnects.labels(self.route).inc()
+        except Exception:
+            log.exception("request %s: unhandled error on %s", ex.request_id, self.route)
+            status = 500
+            if not ex.replied.started:
+                await send_json_error(ex.replied, RouterError(500, "internal router error"),
+                                      ex.request_id)
+        finally:
+            if watch is not None:
+                watch.stop()
+            self._count(served_by, status)
+            self._duration.observe(time.perf_counter() - ex.start)
+            if ex.span is not None:
+                Tracing.end(ex.span, status, ex.span_attributes(served_by))
+
+    def _prepare(self, ex: Exchange, scope: Scope) -> None:
+        """What routing needs from the body, and the upstream request's line and head."""
+        if self._has_body:
+            # With adapters served, their names are resolved first (a replaced version
+            # is a 404 that says which one serves), then anything else is checked.
+            adapters = self._adapters.in_use
+            known = self._pool.served_models()
+            parsed = parse_request(ex.body, scope["headers"], route=self.route,
+                                   known_models=frozenset() if adapters else known,
+                                   keys=self._keys, prefix_chars=self._config.prefix_chars)
+            ex.info, ex.stream = parsed.info, parsed.stream
+            if adapters:
+                self._resolve_adapter(ex, parsed.payload)
+                if ex.adapter is None:
+                    check_model(ex.info.model, known)
+            if ex.span is not None:  # checked above: only a name the fleet serves
+                ex.model = ex.client_model if ex.adapter is not None else (
+                    ex.info.model if ex.info.model in known else None)
+            if ex.stream and self._migrates:
+                self._track(ex, scope, parsed.payload)
+        else:
+            ex.info = RequestInfo(route=self.route)
+        query = scope.get("query_string", b"")
+        ex.line = self._request_line + (b"?" + query if query else b"")
+        ex.headers = upstream_header_block(scope, ex.request_id,
+                                           len(ex.body) if self._has_body else None, ex.trace)
+
+    def _track(self, ex: Exchange, scope: Scope, payload: dict[str, Any]) -> None:
+        """Make a stream migratable: its token ids are asked for and kept."""
+        chat = self.route == "/v1/chat/completions"
+        coerce_fields(payload, chat=chat)  # what the engine will read, the router reads
+        why = refusal(payload, chat=chat)
+        if why is not None:
+            ex.not_migratable = why
+            return
+        if ex.adapter is not None:
+            payload["model"] = ex.adapter.engine_name
+        state = StreamState(chat=chat, body=payload,
+                            wants_ids=payload.get("return_token_ids") is True)
+        ex.body = upstream_body(payload, ex.body)
+        adapter, client_model = ex.adapter, ex.client_model
+        ex.migration = Stream(
+            state=state, request_id=ex.request_id, replied=ex.replied, info=ex.info,
+            scope=scope, version_of=lambda r: adapter.version if adapter is not None
+            else r.weight_version,
+            finish=lambda data, version: versioned(data, adapter, client_model, version),
+            trace=ex.trace)
+
+    def _resolve_adapter(self, ex: Exchange, payload: dict[str, Any]) -> None:
+        """A request naming an adapter runs on one version, named as the engines know it."""
+        version = self._adapters.resolve(ex.info.model)
+        if version is None:
+            return
+        ex.adapter = version
+        ex.client_model = ex.info.model or ""
+        self._metrics.adapter_requests.labels(version.name).inc()
+        ex.body = rewrite_model(payload, version.engine_name)
+        ex.info = dataclasses.replace(ex.info, adapter=version.engine_name)
+
+    async def _forward(self, ex: Exchange) -> tuple[str, int]:
+        attempts = self._config.max_attempts
+        tried: list[str] = []
+        last_error, last_status = "", 502
+        attempt, restarted = 0, False
+        while attempt < attempts:
+            attempt += 1
+            if attempt > 1 and not restarted:
+                self._metrics.retries.labels(self.route).inc()
+                await asyncio.sleep(backoff(attempt - 1, base=self._config.retry_backoff_s,
+                                            cap=self._config.retry_backoff_max_s))
+            waited_from = time.perf_counter()
+            try:
+                slot = await self._dispatch.choose(ex.info, tried)
+            except Unavailable:
+                if not tried:
+                    raise
+                break
+            finally:
+                if self._dispatch.queueing:
+                    self._metrics.queue_wait.labels(self.route).observe(
+                        time.perf_counter() - waited_from)
+            if ex.span is not None:
+                ex.queue_wait_s += time.perf_counter() - waited_from
+            ex.attempts = attempt
+            tried.append(slot.replica.id)
+            with slot:
+                result = await self._attempt(ex, slot, last=attempt == attempts)
+            if isinstance(result, int):
+                return slot.replica.id, result
+            if isinstance(result, Restart):  # drained before its first chunk: no failure
+                log.info("request %s: %s; starting over on another replica",
+                         ex.request_id, result)
+                attempt, restarted = attempt - 1, True
+                last_error = f"replica {slot.replica.id}: {result}"
+                continue
+            restarted = False
+            if isinstance(result, Broken):  # its slot left: the breaker has heard
+                assert ex.migration is not None
+                return await self._migrator.resume(ex.migration, result, tried), result.status
+            last_error = f"replica {slot.replica.id}: {result}"
+            timed_out = slot.outcome in (Outcome.TIMEOUT, Outcome.CONNECT_TIMEOUT)
+            last_status = 504 if timed_out else 502
+            log.warning("request %s: %s; %s", ex.request_id, last_error,
+                        "retrying on another replica" if attempt < attempts else "giving up")
+            if ex.span is not None:
+                ex.span.add_event("attempt failed", {"dpserve.replica": slot.replica.id,
+                                                     "dpserve.reason": last_error})
+        raise RouterError(last_status, f"no replica could serve the request ({last_error})")
+
+    def _retry(self, slot: Slot, stream: bool, last: bool, status: int | None = None) -> bool:
+        return not last and is_retryable(slot.outcome, status=status,
+                                         bytes_sent_to_client=False, stream=stream)
+
+    async def _attempt(self, ex: Exchange, slot: Slot, *, last: bool) -> int | str | Broken:
+        """The status sent to the client, or why to try another replica.
+
+        Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
+        """
+        replica = slot.replica
+        stream = ex.stream
+        origin = self._origin(replica.url)
+        head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (ex.line, origin.host_header, ex.headers)
+        # vLLM answers a stream's head as soon as it has taken the request (its tokens
+        # follow): a stream with no head after the idle timeout met a stuck server.
+        head_s = self._config.first_byte_timeout_s
+        if stream:
+            head_s = min(head_s, self._config.stream_idle_timeout_s)
+        try:
+            resp = await self._upstream.request(
+                origin, head, ex.body, connect_timeout_s=self._config.connect_timeout_s,
+                head_timeout_s=head_s)
+        except (*_UNREACHABLE, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            if slot.outcome is Outcome.CONNECT_FAILED:
+                self._pool.mark_down(replica, f"connection failed: {exc}")
+                return f"connection failed ({exc})"
+            if slot.outcome is Outcome.CONNECT_TIMEOUT:
+                # Not taken, but a slow accept is no proof of death: health checks decide.
+                return f"no connection within {self._config.connect_timeout_s:g} s"
+            if slot.outcome is Outcome.DISCONNECTED:
+                return f"connection dropped before the response ({type(exc).__name__})"
+            reason = f"no response within {head_s:g} s"
+            if self._retry(slot, stream, last) or (stream and not last):
+                return reason
+            raise RouterError(504, f"replica {replica.id} sent {reason}") from None
+        try:
+            slot.outcome = classify(resp.status, None)
+            if self._retry(slot, stream, last, resp.status):
+                return f"answered {resp.status}"
+            out_headers = downstream_headers(
+                resp.raw_headers, ex.request_id, replica.id, replica.weight_version,
+                ex.adapter.version if ex.adapter is not None else None)
+            version = replica.weight_version  # what the header says answers
+            if stream and resp.content_type == "text/event-stream":
+                return await self._streams.relay(ex, resp, slot, out_headers, version)
+            cap = self._config.max_response_bytes
+            try:
+                if resp.complete:  # small responses arrive with their head
+                    payload = await resp.read(cap)
+                else:
+                    async with asyncio.timeout(self._config.first_byte_timeout_s):
+                        payload = await resp.read(cap)
+            except ResponseTooLarge:
+                slot.outcome = Outcome.ABORTED  # the replica worked; the router will not hold it
+                raise RouterError(502, f"replica {replica.id}'s response is larger than the "
+                                       f"router's limit of {cap} bytes") from None
+            except (*_UNREACHABLE, TimeoutError) as exc:
+                slot.outcome = classify(None, exc)
+                if self._retry(slot, stream, last):
+                    return f"connection dropped mid-response ({type(exc).__name__})"
+                raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
+                                  f"replica {replica.id} failed mid-response") from None
+            status = resp.status
+            if status >= 400:  # in the OpenAI envelope, whatever the replica's shape
+                status, payload = relay_error(status, payload, out_headers, route=self.route,
+                                              model=ex.info.model, served=replica.models)
+            elif self._lists_models and status == 200 and ex.adapter is None:
+                payload = list_models(payload, self._adapters)
+            else:
+                payload = versioned(payload, ex.adapter, ex.client_model, version)
+            out_headers.append((b"content-length", str(len(payload)).encode()))
+            ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
+            self._first_byte.observe(slot.first_byte_s)
+            await ex.replied.start(status, out_headers)
+            await ex.replied.body(payload, more=False)
+            return status
+        finally:
+            resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts

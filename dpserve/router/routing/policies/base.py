@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dpserve.router.fleet.pool import Replica
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about the request it places."""
+
+    route: str
+    model: str | None = None
+    session_id: str | None = None
+    """The client's conversation or user key (`X-Session-Id`, else the OpenAI `user`
+    field); see :func:`dpserve.router.routing.policies.keys.session_id`."""
+    prefix: str | None = None
+    """Leading characters of the prompt or rendered messages, for prefix affinity;
+    see :func:`dpserve.router.routing.policies.keys.prompt_prefix`."""
+    adapter: str | None = None
+    """The engine name of the LoRA adapter version the request runs on
+    (`NAME@VERSION`); only replicas that have it loaded are candidates."""
+
+
+class Policy(Protocol):
+    name: str
+    needs: frozenset[str]
+    """What the policy reads beyond the route and model: `session_id` and `prefix` (fields
+    of RequestInfo, computed for a request only when some policy needs them) and
+    `engine_load` (the engines' own load, scraped from their /metrics)."""
+
+    def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
+        """Pick one of `candidates` (all able to serve), or None if there are none."""
+        ...
+
+
+Journal = dict[str, Any]
+"""What a policy with memory learned lately, for the router's other workers:
+`{"work": {replica id: requests sent}, "homes": [(key, replica id), ...]}`."""
+
+
+class Shared(Protocol):
+    """A policy whose memory the data-plane workers share (`dpserve.router.workers`)."""
+
+    on_journal: Callable[[], None] | None
+    """Called when the journal gets its first entry since it was last taken."""
+
+    half_life_s: float
+    clock: Callable[[], float]
+
+    def journal(self) -> Journal: ...
+
+    def share_work(self, spread: Any) -> None: ...
+
+    def absorb(self, journal: Journal) -> None: ...

@@ -1,0 +1,79 @@
+"""The router app's surface: an allow-list. The OpenAI routes reach a replica; the
+router's own routes answer; anything else, vLLM's dev endpoints above all, is a 404 in
+the OpenAI envelope however the path is spelled, and never reaches a replica."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dpserve.config import RouterConfig
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.http.app import FORWARDED_ROUTES, Router
+from dpserve.router.routing.policies import AdapterAffinity
+from tests.conftest import running_router
+from tests.router.rawhttp import exchange, parse_responses, request
+
+DEV_PATHS = ["/collective_rpc", "/pause", "/resume", "/sleep?level=1", "/wake_up",
+             "/reset_prefix_cache", "/update_weight_version", "/is_paused", "/weight_info",
+             "/v1/load_lora_adapter", "/start_profile", "/invocations", "/scale_elastic_ep"]
+SPELLINGS = ["/{p}", "//{p}", "/v1/../{p}", "/v1/%2e%2e/{p}", "/v1/completions/../../{p}",
+             "/{p}/", "/{p}%00", "/./{p}", "/{p}#/v1/completions"]
+
+
+@pytest.mark.parametrize("path", DEV_PATHS)
+async def test_a_dev_endpoint_is_never_reachable_however_it_is_spelled(fake_replicas, path):
+    replica = await fake_replicas("r0")
+    targets = [s.format(p=path.lstrip("/")) for s in SPELLINGS]
+    pipelined = b"".join(request(method, target, body=b"{}")
+                         for target in targets for method in ("GET", "POST"))
+    async with running_router([replica.url]) as (url, _):
+        raw, _ = await exchange(int(url.rsplit(":", 1)[1]), pipelined, quiet_s=0.5)
+    answers = parse_responses(raw)
+    assert answers, "no answer at all"
+    for answer in answers:  # a malformed one ends the connection with a 400
+        assert answer.status in (400, 404), answer
+        assert answer.json()["error"]["code"] == answer.status
+    assert replica.dev_calls == [] and replica.reached() == []
+
+
+async def test_each_forwarded_route_reaches_a_replica_with_its_own_method_only(fake_replicas):
+    replica = await fake_replicas("r0")
+    async with running_router([replica.url]) as (url, _), httpx.AsyncClient() as c:
+        for path, method in FORWARDED_ROUTES:
+            other = "GET" if method == "POST" else "POST"
+            wrong = await c.request(other, url + path, json={} if other == "POST" else None)
+            assert wrong.status_code == 405, path
+            assert wrong.json()["error"]["type"] == "MethodNotAllowedError"
+        ok = await c.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "x"})
+        models = await c.get(url + "/v1/models")
+    assert ok.status_code == models.status_code == 200
+    assert models.json()["data"][0]["id"] == "fake-model"  # the replica's own list
+    assert replica.reached() == ["POST /v1/completions"]
+
+
+async def test_the_routers_own_routes_answer_without_a_replica():
+    async with running_router([]) as (url, _), httpx.AsyncClient() as c:
+        health = await c.get(url + "/health")
+        ready = await c.get(url + "/ready")
+        metrics = await c.get(url + "/metrics")
+        admin = await c.get(url + "/admin/replicas")
+    assert health.json() == {"status": "ok"}
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == 503
+    assert metrics.status_code == 200 and "dpserve_replicas_ready 0.0" in metrics.text
+    assert admin.status_code == 200 and admin.json() == {"replicas": []}
+
+
+def test_a_router_is_complete_when_constructed():
+    router = Router(ReplicaPool([]), RouterConfig())
+    # Everything a request or a probe touches exists before start(): nothing raises.
+    assert router.upstream is not None and router.health is not None
+    assert router.discovery is None and router.scraper is None and router.routes == []
+
+
+def test_a_router_serving_adapters_places_them_by_affinity_unless_told_not_to():
+    lora = Router(ReplicaPool([]), RouterConfig(enable_lora=True, max_loras=2))
+    assert isinstance(lora.policy, AdapterAffinity) and lora.policy.max_loras == 2
+    assert lora.scraper is not None  # reads the engines' running adapters
+    off = Router(ReplicaPool([]), RouterConfig(enable_lora=True, lora_affinity=False))
+    assert not isinstance(off.policy, AdapterAffinity) and off.scraper is None

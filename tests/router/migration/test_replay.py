@@ -1,0 +1,135 @@
+"""Token replay's pure parts: what may migrate, the continuation asked for, the seam."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dpserve.router.migration.continuation import continuation, upstream_body
+from dpserve.router.migration.eligibility import refusal
+from dpserve.router.migration.replay import StreamState
+
+BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 10}
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({}, None),
+    ({"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2}, None),
+    ({"seed": 3, "temperature": 0}, None),
+    ({"n": 2}, "n"), ({"best_of": 3}, "n"), ({"use_beam_search": True}, "beam_search"),
+    ({"echo": True}, "echo"), ({"frequency_penalty": 0.1}, "penalties"),
+    ({"logprobs": 0}, "logprobs"), ({"prompt_logprobs": 1}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "structured_output"),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_regex": "a+"}, "structured_output"),
+    ({"seed": 3}, "seed"), ({"bad_words": ["x"]}, "bad_words"),
+    ({"stop": ["\n"]}, None), ({"stop": "x"}, None), ({"stop": []}, None),
+    ({"stop": [7]}, "stop_strings"), ({"stop": ["a", ""]}, "stop_strings"),
+    ({"prompt": ["a", "b"]}, "several_prompts"), ({"prompt": [1, 2, 3]}, None),
+    ({"prompt": ["one"]}, None), ({"suffix": "x"}, "unsupported_prompt"),
+])
+def test_what_may_migrate_on_completions(extra, reason):
+    assert refusal(BASE | extra, chat=False) == reason
+
+
+def test_what_may_migrate_on_chat():
+    chat = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    assert refusal(chat, chat=True) is None
+    assert refusal(chat | {"tools": [{"type": "function"}]}, chat=True) == "tools"
+    assert refusal(chat | {"tools": [{"type": "function"}], "tool_choice": "none"},
+                   chat=True) is None
+    assert refusal(chat | {"logprobs": True}, chat=True) == "logprobs"
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert refusal(chat | {"messages": [image]}, chat=True) == "multimodal"
+
+
+def state(body: dict[str, Any], *, chat: bool = False) -> StreamState:
+    s = StreamState(chat=chat, body=body)
+    s.prompt_ids = [1, 2, 3]
+    return s
+
+
+def test_the_continuation_replays_the_context_and_asks_for_what_is_left():
+    s = state(BASE | {"temperature": 0, "min_tokens": 6, "user": "u", "echo": False,
+                      "ignore_eos": True, "cache_salt": "salt"})
+    s.ids, s.synced = [7, 8, 9, 10], 3  # the last id's text was held back
+    s.rewind()
+    body = continuation(s)
+    assert body == {"model": "m", "prompt": [1, 2, 3, 7, 8, 9], "stream": True,
+                    "return_token_ids": True, "max_tokens": 7, "min_tokens": 3,
+                    "temperature": 0, "user": "u", "ignore_eos": True, "cache_salt": "salt"}
+
+
+def test_a_chat_continuation_counts_max_completion_tokens():
+    s = state({"model": "m", "messages": [], "max_completion_tokens": 5}, chat=True)
+    s.ids = [4, 5]
+    s.synced = 2
+    assert continuation(s)["max_tokens"] == 3  # type: ignore[index]
+    s.ids, s.synced = [4, 5, 6, 7, 8], 5
+    assert continuation(s) is None  # nothing left: the router ends the stream itself
+
+
+@given(st.lists(st.tuples(st.integers(0, 50_000), st.sampled_from(["", "a", "é", " b"])),
+                min_size=1, max_size=40))
+def test_the_seam_is_where_the_client_text_covers_the_ids(chunks):
+    """Whatever chunks came, the ids kept for the replay are exactly those up to the
+    last chunk that printed text, and the usage adds up over the seam."""
+    s = StreamState(chat=False, body=dict(BASE))
+    for i, (token, text) in enumerate(chunks):
+        s.client_chunk({"id": "c", "choices": [{"index": 0, "text": text, "token_ids": [token],
+                                                "prompt_token_ids": [1, 2] if i == 0 else None}]},
+                       continuation=False)
+    printed = [i for i, (_, text) in enumerate(chunks) if text]
+    s.rewind()
+    assert s.ids == [t for t, _ in chunks[:printed[-1] + 1]] if printed else s.ids == []
+    usage = s.usage({"prompt_tokens": 99, "completion_tokens": 4})
+    assert usage["prompt_tokens"] == 2 and usage["completion_tokens"] == len(s.ids) + 4
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 200_000), max_size=3),
+                          st.sampled_from(["", "a", "é", 'say "hi"', '"token_ids":[1]']),
+                          st.sampled_from([None, "length", "stop"]), st.booleans()),
+                min_size=1, max_size=20),
+       st.booleans(), st.booleans(), st.integers(1, 4))
+def test_reading_the_bytes_learns_and_writes_what_parsing_does(chunks, chat, wants_ids, per_read):
+    """The fast path (vLLM's compact JSON, several events per read, read later in
+    runs, no parsing) against parsing every event."""
+    def chunk(i: int, ids: list[int], text: str, finish: str | None, usage: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                                  "token_ids": ids}
+        choice |= {"delta": {"content": text}} if chat else {
+            "text": text, "stop_reason": None, "prompt_token_ids": [9, 8] if i == 0 else None}
+        out: dict[str, Any] = {"id": "c", "object": "x", "created": 1, "model": "m",
+                               "choices": [choice]}
+        if chat and i == 0:
+            out["prompt_token_ids"] = [9, 8]
+        if usage:
+            out["usage"] = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+        return out
+
+    sent = [chunk(i, *args) for i, args in enumerate(chunks)]
+    fast, slow = (StreamState(chat=chat, body={}, wants_ids=wants_ids) for _ in range(2))
+    expected = [slow.client_chunk(json.loads(json.dumps(c)), continuation=False) or c
+                for c in sent]
+    got: list[dict[str, Any]] = []
+    for at in range(0, len(sent), per_read):
+        events = [json.dumps(c, separators=(",", ":")).encode() for c in sent[at:at + per_read]]
+        block = fast.client_block(b"".join(b"data: " + e + b"\n\n" for e in events))
+        got += [json.loads(e[6:]) for e in block.split(b"\n\n") if e]
+    fast.learn()
+    assert got == expected
+    for attr in ("ids", "synced", "prompt_ids", "done", "usage_sent", "finish_reason"):
+        assert getattr(fast, attr) == getattr(slow, attr), attr
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model":"m","stream":true}', b' \n{ "model": "m", "stream": true}',
+                                 b'{"model":"m","stream":true,"return_token_ids":false}'])
+def test_the_forwarded_request_asks_for_token_ids(raw):
+    body = json.loads(raw)
+    sent = json.loads(upstream_body(body, raw))
+    assert sent == body | {"return_token_ids": True}
