@@ -50,11 +50,10 @@ CHAT: dict[str, Any] = {
 COMPLETION_MAX_TOKENS = 16
 """vLLM's `max_tokens` for a completion without one: it also reads a null as this."""
 
-_FAST: dict[Any, tuple[type, ...]] = {
-    int: (int,), bool: (bool,), float: (float, int),
-}
+_FAST: dict[Any, tuple[type, ...]] = {int: (int,), bool: (bool,), float: (float,)}
 """Types a value may already have to be taken as it is, by the declared base type
-(`None` is fine wherever the declaration allows it)."""
+(`None` is fine wherever the declaration allows it). An integer for a float is made
+one here, as pydantic does (`2**53 + 1` is not a float)."""
 
 
 @functools.cache
@@ -87,6 +86,9 @@ def coerce_fields(payload: dict[str, Any], *, chat: bool) -> None:
             continue
         if type(value) in exact and (name != "seed" or -(2**63) <= value < 2**63):
             continue  # (`type`, not isinstance: True is not taken for an integer as is)
+        if type(value) is int and exact == (float,) and -(2**53) <= value <= 2**53:
+            payload[name] = float(value)  # exactly, in that range
+            continue
         try:
             payload[name] = _adapter(declared).validate_python(value)
         except ValidationError as exc:

@@ -64,11 +64,18 @@ def test_what_vllm_refuses_is_a_400_naming_the_field(name, value):
 
 
 def test_fields_of_the_declared_type_are_left_as_they_are():
-    body = {"max_tokens": 5, "temperature": 0, "echo": False, "n": 1, "seed": -1,
+    body = {"max_tokens": 5, "temperature": 0.5, "echo": False, "n": 1, "seed": -1,
             "logprobs": None, "prompt": "x"}
     before = dict(body)
     coerce_fields(body, chat=False)
-    assert body == before and type(body["temperature"]) is int
+    assert body == before
+
+
+@pytest.mark.parametrize("value", [0, 1, 2**53, 2**53 + 1, -(2**60)])
+def test_an_integer_for_a_float_is_the_float_vllm_reads(value):
+    body = {"temperature": value}
+    coerce_fields(body, chat=False)
+    assert type(body["temperature"]) is float and body["temperature"] == float(value)
 
 
 _VALUES = st.one_of(
