@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.router.errors import RouterError
+from dpserve.router.jsonbody import TOO_DEEP, encode
 
 VERSION_SEP = "@"
 
@@ -229,10 +230,10 @@ def rewrite_model(payload: dict[str, Any], engine_name: str) -> bytes:
     (`"\\ud800"` is valid JSON) that UTF-8 cannot encode, and escaped it reaches the
     engine exactly as the client sent it. RouterError 400 if writing it back nests
     deeper than Python can."""
-    try:
-        return json.dumps(payload | {"model": engine_name}, separators=(",", ":")).encode()
-    except RecursionError:
-        raise RouterError(400, "request body is nested too deeply") from None
+    encoded = encode(payload | {"model": engine_name})
+    if encoded is None:
+        raise RouterError(400, TOO_DEEP)
+    return encoded
 
 
 def rename_model(data: bytes, version: AdapterVersion, client_name: str) -> bytes:

@@ -21,6 +21,7 @@ from typing import Any
 from dpserve.router.asgi import Receive, Scope
 from dpserve.router.errors import RouterError
 from dpserve.router.forward.budget import BodyHold
+from dpserve.router.jsonbody import TOO_DEEP
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.routing.policies.keys import prompt_prefix, session_id
 
@@ -118,7 +119,7 @@ def parse_request(
     except (ValueError, UnicodeDecodeError) as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise RouterError(400, "request body is nested too deeply") from None
+        raise RouterError(400, TOO_DEEP) from None
     if not isinstance(payload, dict):
         raise RouterError(400, "request body must be a JSON object")
     model = payload.get("model")

@@ -121,8 +121,8 @@ class Authenticate:
                     return (401, "missing or invalid admin key "
                                  "(send Authorization: Bearer ADMIN_KEY)")
             elif not is_local((scope.get("client") or (None,))[0], self._local):
-                return (403, "/admin is open to local clients only (127.0.0.1, ::1) "
-                             "unless an admin key is configured")
+                return (403, "/admin is open to local clients only "
+                             "(--local-admin-addresses) unless an admin key is configured")
             return None
         if self._api_keys and not bearer_matches(scope["headers"], self._api_keys):
             return (401, "missing or invalid API key (send Authorization: Bearer KEY)")

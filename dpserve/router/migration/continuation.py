@@ -4,15 +4,15 @@ A continuation is asked of another replica with the prompt's ids and every id th
 client has (`StreamState`), `max_tokens`/`min_tokens` reduced by what was generated, and
 every sampling parameter that means the same on a completion of ids carried over
 (`_CARRIED`). Its body, like any client JSON the router writes again, is encoded with a
-guard (`encode`): parsing bounded the depth, writing runs deeper in the stack.
+guard (`dpserve.router.jsonbody`): parsing bounded the depth, writing runs deeper.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from dpserve.router.errors import RouterError
+from dpserve.router.jsonbody import TOO_DEEP, encode
 from dpserve.router.migration.fields import COMPLETION_MAX_TOKENS
 from dpserve.router.migration.replay import StreamState
 
@@ -71,17 +71,6 @@ def upstream_body(body: dict[str, Any], raw: bytes) -> bytes:
     if "return_token_ids" in body or start < 0:
         encoded = encode(body | {"return_token_ids": True})
         if encoded is None:
-            raise RouterError(400, "request body is nested too deeply")
+            raise RouterError(400, TOO_DEEP)
         return encoded
     return raw[:start + 1] + b'"return_token_ids":true,' + raw[start + 1:]
-
-
-def encode(body: dict[str, Any]) -> bytes | None:
-    """A request the router writes from a client's JSON, compact; None if it nests too
-    deeply to write. Parsing bounds the depth, but writing runs deeper in the stack (the
-    migration path): a body nested just under the parser's limit raised RecursionError
-    there, a 500 with a traceback."""
-    try:
-        return json.dumps(body, separators=(",", ":")).encode()
-    except RecursionError:
-        return None

@@ -29,7 +29,8 @@ from dpserve.router.fleet.breaker import Outcome, classify
 from dpserve.router.fleet.live import Evicted
 from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.headers import upstream_header_block
-from dpserve.router.migration.continuation import continuation, encode
+from dpserve.router.jsonbody import encode
+from dpserve.router.migration.continuation import continuation
 from dpserve.router.migration.replay import StreamState
 from dpserve.router.migration.stops import REPLACEMENT, StopScan, held_text
 from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
