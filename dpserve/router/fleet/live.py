@@ -1,13 +1,13 @@
 """The migratable streams running on each replica, so a drain can move them on cue.
 
 A stream registers its upstream response for as long as it relays it
-(`dpserve.router.migration.migrator`). `evict(replica)` interrupts every one on that
+(`dpserve.router.forward.stream`). `evict(replica)` interrupts every one on that
 replica with `Evicted`: each relay then sees its replica's stream break and moves
 it to another replica, exactly as if the replica had died (reason `drained`). A
 rolling deploy calls it when a drained replica's requests are still running at
 the drain deadline, so that they finish elsewhere instead of being frozen by the
 pause and resumed on the new weights. A stream still waiting for its first chunk
-(`dpserve.router.forward.relay`) registers too, as one that *restarts*: its client has
+(`dpserve.router.forward.stream`) registers too, as one that *restarts*: its client has
 nothing yet, so it starts over elsewhere; only the others *migrate* (carry on from
 the tokens their client has), and only those can mix two weight versions.
 """

@@ -6,7 +6,7 @@ from typing import Any
 
 from dpserve.router.asgi import ReplyTracker
 from dpserve.router.fleet.adapters import AdapterVersion
-from dpserve.router.migration.migrator import Stream
+from dpserve.router.migration.tracked import Stream
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.telemetry.tracing import Span
 

@@ -17,9 +17,11 @@ Order of events for one request:
    always before a single byte went to the client — try another replica after
    a short backoff (bounded attempts): the client has seen nothing, so a retry
    is invisible;
-4. pass the response through: whole for JSON, chunk by chunk for streams
-   (`dpserve.router.forward.relay`). A stream that breaks after it started ends with an SSE
-   error event, never a hang, after whole events only (`dpserve.router.sse`);
+4. pass the response through: whole for JSON; a stream goes to its owner
+   (`dpserve.router.forward.stream`), which relays it to its end, moving it to
+   another replica if its own fails mid-way. A stream that breaks and cannot move
+   ends with an SSE error event, never a hang, after whole events only
+   (`dpserve.router.sse`);
 5. if the client disconnects at any point, the upstream request is closed, so
    vLLM aborts the generation instead of computing it for nobody.
 """
@@ -43,23 +45,30 @@ from dpserve.router.fleet.adapters import (
 )
 from dpserve.router.fleet.breaker import Outcome, classify
 from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.forward.attempt import Answered, Attempt, StartOver, TryAnother
 from dpserve.router.forward.budget import BodyBudget
 from dpserve.router.forward.exchange import Exchange
-from dpserve.router.forward.relay import Restart, StreamRelay
 from dpserve.router.forward.request import ClientGone, check_model, parse_request, read_body
 from dpserve.router.forward.retry import backoff, is_retryable
+from dpserve.router.forward.stream import StreamOwner
 from dpserve.router.forward.upstream_errors import relay_error
 from dpserve.router.headers import downstream_headers, request_id, upstream_header_block
 from dpserve.router.migration.continuation import upstream_body
 from dpserve.router.migration.eligibility import refusal
 from dpserve.router.migration.fields import coerce_fields
-from dpserve.router.migration.migrator import Broken, Migrator, Stream
+from dpserve.router.migration.migrator import Migrator
 from dpserve.router.migration.replay import StreamState
+from dpserve.router.migration.tracked import Stream
 from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.telemetry.metrics import RouterMetrics, status_class
 from dpserve.router.telemetry.tracing import Tracing
-from dpserve.router.upstream.client import Origin, ResponseTooLarge, UpstreamPool
+from dpserve.router.upstream.client import (
+    Origin,
+    ResponseTooLarge,
+    UpstreamClient,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("dpserve.proxy")
 
@@ -81,7 +90,7 @@ class ProxyEndpoint:
         dispatcher: Dispatcher,
         config: RouterConfig,
         metrics: RouterMetrics,
-        upstream: UpstreamPool,
+        upstream: UpstreamClient,
         bodies: BodyBudget,
         keys: frozenset[str] = frozenset(),
         method: str = "POST",
@@ -115,7 +124,7 @@ class ProxyEndpoint:
         self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
         self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)
-        self._streams = StreamRelay(route, config=config, metrics=metrics,
+        self._streams = StreamOwner(route, config=config, metrics=metrics,
                                     first_byte=self._first_byte, migrator=self._migrator,
                                     live=dispatcher.streams)
 
@@ -273,20 +282,16 @@ class ProxyEndpoint:
             ex.attempts = attempt
             tried.append(slot.replica.id)
             with slot:
-                result = await self._attempt(ex, slot, last=attempt == attempts)
-            if isinstance(result, int):
-                return slot.replica.id, result
-            if isinstance(result, Restart):  # drained before its first chunk: no failure
+                result = await self._attempt(ex, slot, tried, last=attempt == attempts)
+            if isinstance(result, Answered):
+                return result.served_by, result.status
+            last_error = f"replica {slot.replica.id}: {result.reason}"
+            if isinstance(result, StartOver):  # drained before its first chunk: no failure
                 log.info("request %s: %s; starting over on another replica",
-                         ex.request_id, result)
+                         ex.request_id, result.reason)
                 attempt, restarted = attempt - 1, True
-                last_error = f"replica {slot.replica.id}: {result}"
                 continue
             restarted = False
-            if isinstance(result, Broken):  # its slot left: the breaker has heard
-                assert ex.migration is not None
-                return await self._migrator.resume(ex.migration, result, tried), result.status
-            last_error = f"replica {slot.replica.id}: {result}"
             timed_out = slot.outcome in (Outcome.TIMEOUT, Outcome.CONNECT_TIMEOUT)
             last_status = 504 if timed_out else 502
             log.warning("request %s: %s; %s", ex.request_id, last_error,
@@ -300,78 +305,90 @@ class ProxyEndpoint:
         return not last and is_retryable(slot.outcome, status=status,
                                          bytes_sent_to_client=False, stream=stream)
 
-    async def _attempt(self, ex: Exchange, slot: Slot, *, last: bool) -> int | str | Broken:
-        """The status sent to the client, or why to try another replica.
-
-        Sets `slot.outcome` for the replica's breaker as it learns how the attempt went.
-        """
-        replica = slot.replica
-        stream = ex.stream
-        origin = self._origin(replica.url)
-        head = b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (ex.line, origin.host_header, ex.headers)
+    async def _attempt(self, ex: Exchange, slot: Slot, tried: list[str], *,
+                       last: bool) -> Attempt:
+        """Send the request to `slot`'s replica and answer the client, or say why to try
+        another. Sets `slot.outcome` for the replica's breaker as it learns how the
+        attempt went."""
         # vLLM answers a stream's head as soon as it has taken the request (its tokens
         # follow): a stream with no head after the idle timeout met a stuck server.
         head_s = self._config.first_byte_timeout_s
-        if stream:
+        if ex.stream:
             head_s = min(head_s, self._config.stream_idle_timeout_s)
+        resp: UpstreamResponse | None = None
         try:
-            resp = await self._upstream.request(
-                origin, head, ex.body, connect_timeout_s=self._config.connect_timeout_s,
-                head_timeout_s=head_s)
+            # Leaving the block releases the response: a connection with its response
+            # unread is closed, so vLLM sees the disconnect and aborts the generation.
+            async with self._upstream.open(
+                    self._origin(slot.replica.url), ex.line, ex.headers, ex.body,
+                    connect_timeout_s=self._config.connect_timeout_s,
+                    head_timeout_s=head_s) as resp:
+                return await self._answer(ex, slot, resp, tried, last=last)
+        except (*_UNREACHABLE, TimeoutError) as exc:
+            if resp is not None:
+                raise  # the answer's own, past what `_answer` handles
+            return self._unanswered(ex, slot, exc, head_s, last=last)
+
+    def _unanswered(self, ex: Exchange, slot: Slot, exc: BaseException, head_s: float, *,
+                    last: bool) -> Attempt:
+        """No response came: why, for another replica to be tried."""
+        slot.outcome = classify(None, exc)
+        if slot.outcome is Outcome.CONNECT_FAILED:
+            self._pool.mark_down(slot.replica, f"connection failed: {exc}")
+            return TryAnother(f"connection failed ({exc})")
+        if slot.outcome is Outcome.CONNECT_TIMEOUT:
+            # Not taken, but a slow accept is no proof of death: health checks decide.
+            return TryAnother(f"no connection within {self._config.connect_timeout_s:g} s")
+        if slot.outcome is Outcome.DISCONNECTED:
+            return TryAnother(f"connection dropped before the response "
+                              f"({type(exc).__name__})")
+        reason = f"no response within {head_s:g} s"
+        if self._retry(slot, ex.stream, last) or (ex.stream and not last):
+            return TryAnother(reason)
+        raise RouterError(504, f"replica {slot.replica.id} sent {reason}") from None
+
+    async def _answer(self, ex: Exchange, slot: Slot, resp: UpstreamResponse,
+                      tried: list[str], *, last: bool) -> Attempt:
+        """Pass the replica's response on: a stream to its owner, the rest whole."""
+        replica = slot.replica
+        stream = ex.stream
+        slot.outcome = classify(resp.status, None)
+        if self._retry(slot, stream, last, resp.status):
+            return TryAnother(f"answered {resp.status}")
+        out_headers = downstream_headers(
+            resp.raw_headers, ex.request_id, replica.id, replica.weight_version,
+            ex.adapter.version if ex.adapter is not None else None)
+        version = replica.weight_version  # what the header says answers
+        if stream and resp.content_type == "text/event-stream":
+            return await self._streams.serve(ex, resp, slot, out_headers, version, tried)
+        cap = self._config.max_response_bytes
+        try:
+            if resp.complete:  # small responses arrive with their head
+                payload = await resp.read(cap)
+            else:
+                async with asyncio.timeout(self._config.first_byte_timeout_s):
+                    payload = await resp.read(cap)
+        except ResponseTooLarge:
+            slot.outcome = Outcome.ABORTED  # the replica worked; the router will not hold it
+            raise RouterError(502, f"replica {replica.id}'s response is larger than the "
+                                   f"router's limit of {cap} bytes") from None
         except (*_UNREACHABLE, TimeoutError) as exc:
             slot.outcome = classify(None, exc)
-            if slot.outcome is Outcome.CONNECT_FAILED:
-                self._pool.mark_down(replica, f"connection failed: {exc}")
-                return f"connection failed ({exc})"
-            if slot.outcome is Outcome.CONNECT_TIMEOUT:
-                # Not taken, but a slow accept is no proof of death: health checks decide.
-                return f"no connection within {self._config.connect_timeout_s:g} s"
-            if slot.outcome is Outcome.DISCONNECTED:
-                return f"connection dropped before the response ({type(exc).__name__})"
-            reason = f"no response within {head_s:g} s"
-            if self._retry(slot, stream, last) or (stream and not last):
-                return reason
-            raise RouterError(504, f"replica {replica.id} sent {reason}") from None
-        try:
-            slot.outcome = classify(resp.status, None)
-            if self._retry(slot, stream, last, resp.status):
-                return f"answered {resp.status}"
-            out_headers = downstream_headers(
-                resp.raw_headers, ex.request_id, replica.id, replica.weight_version,
-                ex.adapter.version if ex.adapter is not None else None)
-            version = replica.weight_version  # what the header says answers
-            if stream and resp.content_type == "text/event-stream":
-                return await self._streams.relay(ex, resp, slot, out_headers, version)
-            cap = self._config.max_response_bytes
-            try:
-                if resp.complete:  # small responses arrive with their head
-                    payload = await resp.read(cap)
-                else:
-                    async with asyncio.timeout(self._config.first_byte_timeout_s):
-                        payload = await resp.read(cap)
-            except ResponseTooLarge:
-                slot.outcome = Outcome.ABORTED  # the replica worked; the router will not hold it
-                raise RouterError(502, f"replica {replica.id}'s response is larger than the "
-                                       f"router's limit of {cap} bytes") from None
-            except (*_UNREACHABLE, TimeoutError) as exc:
-                slot.outcome = classify(None, exc)
-                if self._retry(slot, stream, last):
-                    return f"connection dropped mid-response ({type(exc).__name__})"
-                raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
-                                  f"replica {replica.id} failed mid-response") from None
-            status = resp.status
-            if status >= 400:  # in the OpenAI envelope, whatever the replica's shape
-                status, payload = relay_error(status, payload, out_headers, route=self.route,
-                                              model=ex.info.model, served=replica.models)
-            elif self._lists_models and status == 200 and ex.adapter is None:
-                payload = list_models(payload, self._adapters)
-            else:
-                payload = versioned(payload, ex.adapter, ex.client_model, version)
-            out_headers.append((b"content-length", str(len(payload)).encode()))
-            ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
-            self._first_byte.observe(slot.first_byte_s)
-            await ex.replied.start(status, out_headers)
-            await ex.replied.body(payload, more=False)
-            return status
-        finally:
-            resp.release()  # closes the connection if unread: vLLM sees the disconnect, aborts
+            if self._retry(slot, stream, last):
+                return TryAnother(f"connection dropped mid-response ({type(exc).__name__})")
+            raise RouterError(502 if slot.outcome is Outcome.DISCONNECTED else 504,
+                              f"replica {replica.id} failed mid-response") from None
+        status = resp.status
+        if status >= 400:  # in the OpenAI envelope, whatever the replica's shape
+            status, payload = relay_error(status, payload, out_headers, route=self.route,
+                                          model=ex.info.model, served=replica.models)
+        elif self._lists_models and status == 200 and ex.adapter is None:
+            payload = list_models(payload, self._adapters)
+        else:
+            payload = versioned(payload, ex.adapter, ex.client_model, version)
+        out_headers.append((b"content-length", str(len(payload)).encode()))
+        ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
+        self._first_byte.observe(slot.first_byte_s)
+        await ex.replied.start(status, out_headers)
+        await ex.replied.body(payload, more=False)
+        return Answered(status, replica.id)

@@ -41,7 +41,7 @@ from dpserve.router.routing.policies import make_policy
 from dpserve.router.telemetry.federate import EngineMetrics, engine_metrics_endpoint
 from dpserve.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.telemetry.tracing import Tracing
-from dpserve.router.upstream.client import UpstreamPool
+from dpserve.router.upstream.client import UpstreamClient, UpstreamPool
 
 log = logging.getLogger("dpserve.router")
 
@@ -65,8 +65,10 @@ class Router:
     it: `own_pause` tells the health checks a replica is paused by this router's own
     deploy (not someone else's), `weight_version` what a newly discovered replica
     serves, `routes` are more Starlette routes for the app (`/admin/deploy`),
-    `adapters` the adapter table deploys fill, and `admit` what a replica must get
-    before it turns ready (the adapters it lacks).
+    `adapters` the adapter table deploys fill, `admit` what a replica must get
+    before it turns ready (the adapters it lacks), and `upstream` the data plane's
+    client to the replicas (default: `UpstreamPool`; tests and benchmarks answer
+    from memory with their own).
     """
 
     def __init__(self, pool: ReplicaPool, config: RouterConfig, *,
@@ -75,7 +77,8 @@ class Router:
                  weight_version: Callable[[], str | None] | None = None,
                  routes: Sequence[BaseRoute] = (),
                  adapters: Adapters | None = None,
-                 admit: Callable[[Replica], Awaitable[str | None]] | None = None) -> None:
+                 admit: Callable[[Replica], Awaitable[str | None]] | None = None,
+                 upstream: UpstreamClient | None = None) -> None:
         self.pool = pool
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(pool)
@@ -90,7 +93,7 @@ class Router:
         """Request bytes held in memory by all requests together."""
         # No connection cap: the policy and vLLM's scheduler bound concurrency;
         # a cap here would queue requests invisibly in the client.
-        self.upstream = UpstreamPool()
+        self.upstream: UpstreamClient = upstream if upstream is not None else UpstreamPool()
         """The data plane's connections to the replicas."""
         self.control = httpx.AsyncClient()
         """The control plane's client: health checks, scrapes, admin calls."""

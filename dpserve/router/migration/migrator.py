@@ -1,16 +1,16 @@
-"""Keeping a stream alive when its replica dies or stalls: relay, then migrate.
+"""Where a broken stream goes next: a continuation on another replica, or its end.
 
-`Migrator.relay` forwards a migratable stream (`dpserve.router.migration.replay`) event by
-event, learning its token ids as it goes. When the replica's connection breaks or
-no chunk comes for `stream_idle_timeout_s`, it returns `Broken` instead of ending
-the stream; the proxy leaves that replica's slot (the breaker hears of the failure)
-and calls `resume`, which asks another replica for the continuation, chosen by the
-policy as usual among the replicas this request has not broken on, and relays it
-into the same client stream. That repeats up to `migration_limit` times. Where a
-continuation cannot be made (a limit reached, no replica left), the client gets
-what a broken stream always got: an error event, then `[DONE]`, after whole events
-only. A stream that broke after its last token (the finish chunk came, the rest
-did not) is finished by the router itself.
+The stream pump (`dpserve.router.forward.stream`) relays a migratable stream
+(`dpserve.router.migration.replay`) event by event, learning its token ids as it
+goes. When the replica's connection breaks or no chunk comes for
+`stream_idle_timeout_s`, it releases that replica's slot (the breaker hears of the
+failure) and asks `Migrator.next_leg` for the rest: a continuation from another
+replica, chosen by the policy as usual among the replicas this request has not
+broken on, which it relays into the same client stream. That repeats up to
+`migration_limit` times. Where a continuation cannot be made (a limit reached, no
+replica left), the client gets what a broken stream always got: an error event,
+then `[DONE]`, after whole events only. A stream that broke after its last token
+(the finish chunk came, the rest did not) is finished by the router itself.
 """
 
 from __future__ import annotations
@@ -19,66 +19,45 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
 
 from dpserve.config import RouterConfig
-from dpserve.router.asgi import ReplyTracker, Scope
 from dpserve.router.errors import sse_error_event
-from dpserve.router.fleet.breaker import Outcome, classify
-from dpserve.router.fleet.live import Evicted
-from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.fleet.breaker import classify
+from dpserve.router.fleet.pool import ReplicaPool
 from dpserve.router.headers import upstream_header_block
 from dpserve.router.jsonbody import encode
 from dpserve.router.migration.continuation import continuation
 from dpserve.router.migration.replay import StreamState
 from dpserve.router.migration.stops import REPLACEMENT, StopScan, held_text
+from dpserve.router.migration.tracked import Break, Stream
 from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
-from dpserve.router.routing.policies import RequestInfo
-from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.telemetry.metrics import RouterMetrics
-from dpserve.router.upstream.client import Origin, UpstreamPool, UpstreamResponse
+from dpserve.router.upstream.client import Origin, UpstreamClient, UpstreamResponse
 from dpserve.router.upstream.connection import ResponseTooLarge
 
 log = logging.getLogger("dpserve.migration")
 
-_DONE = b"data: [DONE]"
-_CONTINUATION_LINE = b"POST /v1/completions HTTP/1.1"
-_DETOKENIZE_LINE = b"POST /detokenize HTTP/1.1"
+_CONTINUATION = b"POST /v1/completions"
+_DETOKENIZE = b"POST /detokenize"
 
 
 @dataclass
-class Broken:
-    """A stream whose replica failed after the client started getting it."""
+class Leg:
+    """One replica's part of a stream: its slot and its response (the first chunk
+    read), held by `held` until the stream pump is done with them."""
 
-    reason: str
-    """`disconnected`, `stalled` or `drained`: the metric's label."""
-    detail: str
-    status: int
-    """The status the client was sent (the stream's)."""
-
-
-@dataclass
-class Stream:
-    """What a migratable request carries through the proxy."""
-
-    state: StreamState
-    request_id: str
-    replied: ReplyTracker
-    info: RequestInfo
-    scope: Scope
-    version_of: Callable[[Replica], str | None]
-    """The version that answers on a replica (adapter or base weights)."""
-    finish: Callable[[bytes, str | None], bytes]
-    """An outgoing chunk as the client gets it (model renamed, fingerprint set)."""
-    version: str | None = None
-    """The weights it began on: a continuation prefers replicas serving them."""
-    trace: bytes = b""
-    """The router span's trace headers (`dpserve.router.telemetry.tracing`), if tracing is on."""
+    slot: Slot
+    resp: UpstreamResponse
+    first: bytes
+    held: AsyncExitStack
 
 
 class Migrator:
-    def __init__(self, *, pool: ReplicaPool, dispatcher: Dispatcher, upstream: UpstreamPool,
+    """Where a broken stream goes next: a continuation on another replica, or its end."""
+
+    def __init__(self, *, pool: ReplicaPool, dispatcher: Dispatcher, upstream: UpstreamClient,
                  origin: Callable[[str], Origin], config: RouterConfig,
                  metrics: RouterMetrics) -> None:
         self._pool = pool
@@ -88,19 +67,17 @@ class Migrator:
         self._config = config
         self._metrics = metrics
 
-    async def relay(self, stream: Stream, resp: UpstreamResponse, slot: Slot,
-                    first: bytes) -> int | Broken:
-        """Forward one upstream stream whose first chunk is `first` (the client's
-        response has started); its status, or Broken to be resumed elsewhere."""
-        stream.version = stream.version_of(slot.replica)
-        broken = await self._pump(stream, resp, slot, first, continuation=False)
-        return resp.status if broken is None else Broken(*broken, status=resp.status)
+    def movable(self, stream: Stream) -> bool:
+        """Whether a drain could move the stream now (`dpserve.router.fleet.live`)."""
+        return not stream.state.closed and self._refused(stream.state) is None
 
-    async def resume(self, stream: Stream, broken: Broken, tried: list[str]) -> str:
-        """Carry `stream` on after `broken`; the id of the replica that ended it
-        (`none` if none could). `tried` holds the replicas it broke on (not taken
-        again) and, last, the one it broke on now; a drained one may be taken again
-        once it serves (it did not fail)."""
+    async def next_leg(self, stream: Stream, broken: Break, tried: list[str]) -> Leg | str:
+        """Carry `stream` on after `broken`: a continuation that started on another
+        replica (its first chunk came), or, where the stream ends here, the id of the
+        replica that ended it (`none` if none could; the client got its ending or
+        an error event). `tried` holds the replicas it broke on (not taken again),
+        last the one it broke on now; a drained one may be taken again once it
+        serves (it did not fail)."""
         state = stream.state
         reason, detail, source = broken.reason, broken.detail, tried[-1]
         while True:
@@ -111,7 +88,7 @@ class Migrator:
                 await stream.replied.body(b"", more=False)
                 return source
             if state.done:  # only the ending was lost: the router writes it
-                await stream.replied.body(self._ending(stream), more=False)
+                await stream.replied.body(stream.ending(), more=False)
                 return source
             why = self._refused(state)
             if why is not None:
@@ -119,8 +96,8 @@ class Migrator:
             state.rewind(keep=bool(state.stops))
             body = continuation(state)
             if body is None:  # every token came; only the finish chunk was lost
-                last = self._chunk(stream, state.finish_chunk("length"))
-                await stream.replied.body(last, more=True)
+                await stream.replied.body(stream.event(state.finish_chunk("length")),
+                                          more=True)
                 continue
             try:
                 slot = await self._choose(stream, [*tried, source])
@@ -129,7 +106,8 @@ class Migrator:
                                            "no other replica is available", source)
             replica = slot.replica
             tried.append(replica.id)
-            with slot:
+            async with AsyncExitStack() as held:
+                held.enter_context(slot)
                 if state.stops:
                     if not await self._stop_seam(stream, slot):
                         return await self._give_up(stream, reason, "refused", detail,
@@ -144,14 +122,45 @@ class Migrator:
                 if data is None:  # a field carried on nests past what can be written
                     return await self._give_up(stream, reason, "refused", detail,
                                                "nested_too_deeply", source)
-                outcome = await self._continue(stream, slot, data, source, reason, detail)
-            if outcome is None:
-                return replica.id
-            started, why_broken, detail = outcome
-            if started:  # it moved, then broke again: a new break on a new replica
-                reason, source = why_broken, replica.id
-            else:
-                self._metrics.migrations.labels(reason, "failed").inc()
+                started = await self._start(stream, slot, data, held, detail)
+                if isinstance(started, Leg):
+                    seam = state.seam(source, replica.id, reason)
+                    self._metrics.migrations.labels(reason, "migrated").inc()
+                    log.log(logging.INFO if reason == "drained" else logging.WARNING,
+                            "request %s: stream moved from replica %s to %s (%s: %s); "
+                            "%d tokens replayed", stream.request_id, source, replica.id,
+                            reason, detail, seam.replayed_tokens)
+                    started.held = held.pop_all()
+                    return started
+                detail = started
+            self._metrics.migrations.labels(reason, "failed").inc()
+
+    async def _start(self, stream: Stream, slot: Slot, data: bytes, held: AsyncExitStack,
+                     detail: str) -> Leg | str:
+        """Ask `slot`'s replica for the continuation `data`: the leg once its first
+        chunk came, else what happened (the break's detail, with this)."""
+        replica = slot.replica
+        config = self._config
+        headers = upstream_header_block(stream.scope, stream.request_id, len(data),
+                                        stream.trace)
+        try:
+            resp = await held.enter_async_context(self._upstream.open(
+                self._origin(replica.url), _CONTINUATION, headers, data,
+                connect_timeout_s=config.connect_timeout_s,
+                head_timeout_s=config.first_byte_timeout_s))
+        except (OSError, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            return f"{detail}; continuation not accepted ({type(exc).__name__})"
+        slot.outcome = classify(resp.status, None)
+        if resp.status != 200 or resp.content_type != "text/event-stream":
+            return f"{detail}; continuation answered {resp.status}"
+        try:
+            async with asyncio.timeout(config.first_byte_timeout_s):
+                first = await resp.readany()
+        except (OSError, TimeoutError) as exc:
+            slot.outcome = classify(None, exc)
+            return f"{detail}; continuation dropped ({type(exc).__name__})"
+        return Leg(slot, resp, first, held)
 
     async def _choose(self, stream: Stream, tried: list[str]) -> Slot:
         """A replica not tried yet, on the weights the stream began on if one is ready
@@ -195,139 +204,21 @@ class Migrator:
 
     async def _detokenize(self, stream: Stream, slot: Slot, ids: list[int]) -> str:
         data = json.dumps({"tokens": ids}, separators=(",", ":")).encode()
-        origin = self._origin(slot.replica.url)
-        head = b"%s\r\nhost: %s\r\ncontent-type: application/json\r\nx-request-id: %s\r\n" \
-               b"content-length: %d\r\n\r\n" % (_DETOKENIZE_LINE, origin.host_header,
-                                                stream.request_id.encode("latin-1"), len(data))
+        headers = b"content-type: application/json\r\nx-request-id: %s\r\n" \
+                  b"content-length: %d\r\n\r\n" % (stream.request_id.encode("latin-1"),
+                                                     len(data))
         config = self._config
-        resp = await self._upstream.request(origin, head, data,
-                                            connect_timeout_s=config.connect_timeout_s,
-                                            head_timeout_s=config.first_byte_timeout_s)
-        try:
+        async with self._upstream.open(self._origin(slot.replica.url), _DETOKENIZE, headers,
+                                       data, connect_timeout_s=config.connect_timeout_s,
+                                       head_timeout_s=config.first_byte_timeout_s) as resp:
             async with asyncio.timeout(config.first_byte_timeout_s):
                 answer = await resp.read(config.max_response_bytes)
-            if resp.status != 200:
-                raise ValueError(f"/detokenize answered {resp.status}")
-            text = json.loads(answer)["prompt"]
-            if not isinstance(text, str):
-                raise TypeError("/detokenize answered no text")
-            return text
-        finally:
-            resp.release()
-
-    async def _continue(self, stream: Stream, slot: Slot, data: bytes, source: str,
-                        reason: str, detail: str) -> tuple[bool, str, str] | None:
-        """One continuation (`data`, its body) on `slot`; None once the stream ended,
-        else whether it had started (then: it broke again), why and what happened."""
-        replica = slot.replica
-        origin = self._origin(replica.url)
-        head = b"%s\r\nhost: %s\r\n%s" % (_CONTINUATION_LINE, origin.host_header,
-                                          upstream_header_block(stream.scope,
-                                                                stream.request_id, len(data),
-                                                                stream.trace))
-        config = self._config
-        try:
-            resp = await self._upstream.request(
-                origin, head, data, connect_timeout_s=config.connect_timeout_s,
-                head_timeout_s=config.first_byte_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            slot.outcome = classify(None, exc)
-            return False, reason, f"{detail}; continuation not accepted ({type(exc).__name__})"
-        try:
-            slot.outcome = classify(resp.status, None)
-            if resp.status != 200 or resp.content_type != "text/event-stream":
-                return False, reason, f"{detail}; continuation answered {resp.status}"
-            try:
-                async with asyncio.timeout(config.first_byte_timeout_s):
-                    first = await resp.readany()
-            except (OSError, TimeoutError) as exc:
-                slot.outcome = classify(None, exc)
-                return False, reason, f"{detail}; continuation dropped ({type(exc).__name__})"
-            seam = stream.state.seam(source, replica.id, reason)
-            self._metrics.migrations.labels(reason, "migrated").inc()
-            log.log(logging.INFO if reason == "drained" else logging.WARNING,
-                    "request %s: stream moved from replica %s to %s (%s: %s); "
-                    "%d tokens replayed", stream.request_id, source, replica.id,
-                    reason, detail, seam.replayed_tokens)
-            broken = await self._pump(stream, resp, slot, first, continuation=True)
-            return None if broken is None else (True, *broken)
-        finally:
-            resp.release()
-
-    async def _pump(self, stream: Stream, resp: UpstreamResponse, slot: Slot, chunk: bytes,
-                    *, continuation: bool) -> tuple[str, str] | None:
-        """Relay events until the upstream ends (None) or breaks (why)."""
-        idle = self._config.stream_idle_timeout_s
-        events = EventFramer(self._config.max_response_bytes)
-        version = stream.version_of(slot.replica)
-        try:
-            with self._dispatch.streams.running(
-                    slot.replica.id, resp, lambda: not stream.state.closed
-                    and self._refused(stream.state) is None):
-                while chunk and not stream.state.cut:
-                    if whole := events.feed(chunk):
-                        await self._send(stream, whole, version, continuation)
-                    events.check()
-                    async with asyncio.timeout(idle):
-                        chunk = await resp.readany()
-        except EventTooLarge as exc:
-            slot.outcome = Outcome.SERVER_ERROR
-            await stream.replied.body(sse_error_event(502, f"stream interrupted: {exc}"),
-                                      more=False)
-            return None
-        except Evicted as exc:
-            slot.outcome = Outcome.ABORTED  # the router's doing: no mark on the replica
-            return "drained", str(exc)
-        except (OSError, TimeoutError) as exc:
-            slot.outcome = classify(None, exc)
-            if isinstance(exc, TimeoutError):
-                return "stalled", f"no data for {idle:g} s"
-            return "disconnected", "the replica closed the stream early"
-        if not stream.state.cut and (rest := events.rest()):
-            await self._send(stream, rest, version, continuation)
-        if not stream.state.closed:  # ended cleanly, yet without its last events
-            slot.outcome = Outcome.DISCONNECTED
-            return "disconnected", "the stream ended before its last token"
-        await stream.replied.body(b"", more=False)
-        return None
-
-    async def _send(self, stream: Stream, events: bytes, version: str | None,
-                    continuation: bool) -> None:
-        """Relay a run of whole events: the engine's own passed on as bytes, read
-        later (`StreamState.client_block`); a continuation's parsed and rewritten
-        into the client's kind (`client_chunk`)."""
-        if continuation:
-            out = self._parse_each(stream, events, version, continuation)
-        else:
-            out = stream.finish(stream.state.client_block(events), version)
-        if out:
-            await stream.replied.body(out, more=True)
-
-    def _parse_each(self, stream: Stream, events: bytes, version: str | None,
-                    continuation: bool) -> bytes:
-        out = []
-        for event in events.split(b"\n\n"):
-            event = event.strip(b"\r\n")
-            if not event:
-                continue
-            if event == _DONE:
-                stream.state.closed = True
-            if event == _DONE or not event.startswith(b"data: {"):
-                out.append(event + b"\n\n")
-                continue
-            chunk = json.loads(event[6:])
-            if "error" in chunk:  # the engine's own error: the request's, not the replica's
-                stream.state.done = True
-                out.append(event + b"\n\n")
-                continue
-            mine = stream.state.client_chunk(chunk, continuation=continuation)
-            data = event[6:] if mine is None else json.dumps(mine, separators=(",", ":")).encode()
-            out.append(b"data: " + stream.finish(data, version) + b"\n\n")
-            if stream.state.cut:  # the router's stop: the engine's rest is not wanted
-                out.append(self._ending(stream))
-                stream.state.closed = True
-                break
-        return b"".join(out)
+        if resp.status != 200:
+            raise ValueError(f"/detokenize answered {resp.status}")
+        text = json.loads(answer)["prompt"]
+        if not isinstance(text, str):
+            raise TypeError("/detokenize answered no text")
+        return text
 
     def _refused(self, state: StreamState) -> str | None:
         state.learn()
@@ -351,20 +242,3 @@ class Migrator:
         await stream.replied.body(sse_error_event(502, f"stream interrupted: {detail}"),
                                   more=False)
         return "none"
-
-    def _ending(self, stream: Stream) -> bytes:
-        """What a finished generation still owed the client: usage if asked, [DONE]."""
-        state = stream.state
-        options = state.body.get("stream_options") or {}
-        out = b""
-        if isinstance(options, dict) and options.get("include_usage") and not state.usage_sent:
-            chunk = state.identity | {
-                "object": "chat.completion.chunk" if state.chat else "text_completion",
-                "choices": [], "usage": state.usage_so_far()}
-            out = self._chunk(stream, chunk)
-        return out + _DONE + b"\n\n"
-
-    @staticmethod
-    def _chunk(stream: Stream, chunk: dict[str, Any]) -> bytes:
-        data = json.dumps(chunk, separators=(",", ":")).encode()
-        return b"data: " + stream.finish(data, None) + b"\n\n"

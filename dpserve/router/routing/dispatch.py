@@ -49,15 +49,18 @@ class Slot:
     """One attempt's hold on one replica, as a context manager.
 
     Entering counts the attempt in flight on the replica (and under its adapter, if
-    it runs on one); leaving gives the count
-    back, records `outcome` in the replica's circuit breaker, updates the mean
-    service time (successes only) and wakes the admission queue. Set `outcome` as
-    the attempt learns how it went; left unset, the attempt counts as aborted by the
-    router (cancelled, client gone), which no breaker holds against a replica.
+    it runs on one); releasing gives the count back, records `outcome` in the
+    replica's circuit breaker, updates the mean service time (successes only) and
+    wakes the admission queue. Set `outcome` as the attempt learns how it went; left
+    unset, the attempt counts as aborted by the router (cancelled, client gone), which
+    no breaker holds against a replica. Leaving the `with` block releases it; whoever
+    learns first that the replica failed (a stream that broke mid-way) may release it
+    early, so the breaker hears before the next replica is chosen. It is released
+    once, whichever comes first.
     """
 
-    __slots__ = ("_dispatcher", "adapter", "first_byte_s", "outcome", "permit", "replica",
-                 "started")
+    __slots__ = ("_dispatcher", "adapter", "first_byte_s", "held", "outcome", "permit",
+                 "replica", "started")
 
     def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit,
                  adapter: str | None = None) -> None:
@@ -67,10 +70,12 @@ class Slot:
         self.adapter = adapter
         self.outcome = Outcome.ABORTED
         self.started = 0.0
+        self.held = False
         self.first_byte_s: float | None = None
         """When its response began: seconds since the client's request arrived."""
 
     def __enter__(self) -> Slot:
+        self.held = True
         self.replica.in_flight += 1
         if self.adapter is not None:
             counts = self.replica.adapters_in_flight
@@ -80,6 +85,14 @@ class Slot:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the replica back and tell its breaker `outcome`; once (later calls do
+        nothing)."""
+        if not self.held:
+            return
+        self.held = False
         self.replica.in_flight -= 1
         if self.adapter is not None:
             counts = self.replica.adapters_in_flight

@@ -21,6 +21,12 @@ generation.
 
 The connection itself, and the framing rules that decide whether it is reused,
 are in `dpserve.router.upstream.connection`; its errors are re-exported here.
+
+The rest of the router sees the client through `UpstreamClient`: `open` builds the
+request head (the one place it is built) and answers a context manager whose exit
+releases the response, so no caller has to remember to. `Router(upstream=...)` takes
+any implementation, as httpx takes a transport: tests and benchmarks answer from
+memory with `UpstreamResponse.canned`.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import functools
 import ssl
 import time
 from collections import deque
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from dpserve.router.upstream.connection import (
@@ -43,7 +52,7 @@ from dpserve.router.upstream.connection import (
 )
 
 __all__ = ["ConnectFailed", "ConnectTimeout", "Disconnected", "Origin", "ResponseTooLarge",
-           "UpstreamPool", "UpstreamResponse"]
+           "UpstreamClient", "UpstreamPool", "UpstreamResponse", "request_head"]
 
 IDLE_REUSE_S = 4.0
 """Reuse an idle connection only this long (vLLM's uvicorn closes it after 5 s)."""
@@ -69,8 +78,53 @@ class Origin:
         return cls(parts.hostname, port, tls, parts.netloc.encode("idna"))
 
 
+def request_head(target: bytes, origin: Origin, headers: bytes) -> bytes:
+    """The request line and head: `target` is `POST /v1/completions?query`, `headers`
+    the header block after `host`, ending in the blank line."""
+    return b"%s HTTP/1.1\r\nhost: %s\r\n%s" % (target, origin.host_header, headers)
+
+
+class UpstreamClient(Protocol):
+    """What the data plane asks of its client to the replicas."""
+
+    def open(self, origin: Origin, target: bytes, headers: bytes, body: bytes, *,
+             connect_timeout_s: float | None, head_timeout_s: float | None,
+             ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """Send a request (`request_head` says what `target` and `headers` are); the
+        response once its head arrived, released when the block is left."""
+        ...
+
+    def close(self) -> None:
+        """Close what is idle; what is in use closes when released."""
+        ...
+
+
+class Opened:
+    """`async with`: the response of one request, released on the way out (its
+    connection kept only if the response was read to its end)."""
+
+    __slots__ = ("_args", "_pool", "_resp")
+
+    def __init__(self, pool: UpstreamPool, args: tuple[Origin, bytes, bytes, float | None,
+                                                      float | None]) -> None:
+        self._pool = pool
+        self._args = args
+        self._resp: UpstreamResponse | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        origin, head, body, connect_s, head_s = self._args
+        self._resp = await self._pool.request(origin, head, body, connect_timeout_s=connect_s,
+                                              head_timeout_s=head_s)
+        return self._resp
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._resp is not None:
+            self._resp.release()
+
+
 class UpstreamPool:
-    """Keep-alive connections to each replica, opened on demand."""
+    """Keep-alive connections to each replica, opened on demand (an `UpstreamClient`)."""
 
     def __init__(self) -> None:
         self._idle: dict[Origin, deque[Connection]] = {}
@@ -80,11 +134,17 @@ class UpstreamPool:
         alive one they went out on without answering."""
         self._tls: ssl.SSLContext | None = None
 
+    def open(self, origin: Origin, target: bytes, headers: bytes, body: bytes, *,
+             connect_timeout_s: float | None, head_timeout_s: float | None) -> Opened:
+        return Opened(self, (origin, request_head(target, origin, headers), body,
+                             connect_timeout_s, head_timeout_s))
+
     async def request(self, origin: Origin, head: bytes, body: bytes, *,
                       connect_timeout_s: float | None, head_timeout_s: float | None,
                       ) -> UpstreamResponse:
         """Send `head` (request line and headers, ending in a blank line) and `body`;
-        return once the response's status and headers arrived."""
+        return once the response's status and headers arrived. The caller releases it
+        (`open` does that for it)."""
         if self._closed:
             raise RuntimeError("the upstream pool is closed")
         loop = asyncio.get_running_loop()

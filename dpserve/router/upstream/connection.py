@@ -56,7 +56,7 @@ class UpstreamResponse:
     __slots__ = ("_buffered", "_conn", "_error", "_until_eof", "_waiter", "chunks",
                  "complete", "keep_alive", "raw_headers", "status")
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection | None) -> None:
         self._conn: Connection | None = conn
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
@@ -67,6 +67,20 @@ class UpstreamResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._until_eof = False
+
+    @classmethod
+    def canned(cls, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+               ) -> UpstreamResponse:
+        """A whole response held in memory, on no connection: what a stand-in for the
+        upstream client answers (tests, `benchmarks`)."""
+        resp = cls(None)
+        resp.status = status
+        resp.raw_headers = list(headers)
+        resp.keep_alive = resp.complete = True
+        if body:
+            resp.chunks.append(body)
+            resp._buffered = len(body)
+        return resp
 
     @property
     def content_type(self) -> str:

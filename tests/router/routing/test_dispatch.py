@@ -50,6 +50,22 @@ async def test_an_exception_releases_once_and_the_breaker_hears_the_outcome_once
     assert d.breaker(r0).consecutive_failures == 1
 
 
+async def test_a_slot_released_early_tells_the_breaker_before_the_next_choice_and_once():
+    d, pool = dispatcher(2, breaker_failures=2)
+    with await d.choose(REQUEST, []) as slot:
+        broken = slot.replica
+        slot.outcome = Outcome.DISCONNECTED  # its stream broke mid-way
+        slot.release()  # by whoever learned it: before the block ends
+        assert broken.in_flight == 0
+        assert d.breaker(broken).consecutive_failures == 1
+        with await d.choose(REQUEST, [broken.id]) as nxt:  # the stream's next replica
+            assert nxt.replica is not broken
+            slot.release()  # again: nothing more
+            assert nxt.replica.in_flight == 1
+    assert [r.in_flight for r in pool] == [0, 0]
+    assert d.breaker(broken).consecutive_failures == 1
+
+
 async def test_a_slot_counts_its_adapter_while_held_and_forgets_it_when_none_is_left():
     d, pool = dispatcher()
     r0 = pool.get("r0")

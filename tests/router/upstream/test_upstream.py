@@ -207,6 +207,36 @@ async def test_releasing_an_unread_response_closes_its_connection():
     pool.close()
 
 
+async def test_open_releases_the_response_when_its_block_is_left():
+    """Read to its end: the connection carries the next request. Left unread (or left
+    by an exception): the connection is closed, as a replica must see to abort."""
+    gone = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(ok(b'{"n": 1}'))
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()
+        gone.set()
+
+    pool = UpstreamPool()
+    async with server(handler) as (origin, connections):
+        target, headers = b"POST /v1/completions", b"content-length: 2\r\n\r\n"
+        async with pool.open(origin, target, headers, b"{}", connect_timeout_s=5,
+                             head_timeout_s=5) as resp:
+            assert await resp.read() == b'{"n": 1}'
+        with pytest.raises(RuntimeError):
+            async with pool.open(origin, target, headers, b"{}", connect_timeout_s=5,
+                                 head_timeout_s=5) as resp:
+                assert await resp.readany() == b"first"
+                raise RuntimeError("the caller failed mid-body")
+        await asyncio.wait_for(gone.wait(), 5)
+        assert len(connections) == 1  # the second request went out on the first's connection
+    pool.close()
+
+
 async def test_a_connection_the_server_closed_while_idle_is_not_reused():
     pool = UpstreamPool()
     async with server(answers_once(ok(b"{}"))) as (origin, connections):
