@@ -33,7 +33,7 @@ lint: install
 	$(BIN)/mypy
 
 bench: install
-	$(BIN)/python benchmarks/router_overhead.py
+	$(BIN)/python -m benchmarks.router.overhead
 
 clean:
 	rm -rf build runs

@@ -5,7 +5,7 @@ dpserve), its job is timing that is known to the microsecond (the harness's
 accuracy is measured against it), and it runs alone as a process for benchmarks.
 dpserve's other fakes: tests/fakes.py (a replica that misbehaves on cue for the
 router's tests), tests/fake_vllm_server.py (a replica *process* for the
-supervisor), benchmarks/fixed_upstream.py (the cheapest possible upstream, for
+supervisor), benchmarks/router/fixed_upstream.py (the cheapest possible upstream, for
 the router's overhead), dpserve/sim (a model of an engine's scheduler and prefix
 cache, for routing quality at fleet scale).
 
@@ -64,7 +64,7 @@ async def start_app(app: web.Application, host: str = "127.0.0.1",
                     port: int = 0) -> tuple[web.AppRunner, int]:
     """Serve `app` in the running event loop: its runner (`cleanup()` stops it) and the
     port it bound (`port` 0: any free one). The one server set-up of the in-process
-    fakes (this one, tests/fakes.py, benchmarks/fixed_upstream.py): no access log, no
+    fakes (this one, tests/fakes.py, benchmarks/router/fixed_upstream.py): no access log, no
     signal handlers, and a short shutdown so a hanging answer cannot hold up a stop."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1, access_log=None)
     await runner.setup()

@@ -1,21 +1,11 @@
-"""`benchmarks/router_overhead.py --router-cores K`: each router gets K cores of its own,
-the upstreams and the load generator the others, and a machine too small says so."""
+"""`python -m benchmarks.router.overhead --router-cores K`: each router gets K cores of its
+own, the upstreams and the load generator the others, and a machine too small says so."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-# A benchmark helper, not a package: loaded by path, leaving sys.path alone.
-_spec = importlib.util.spec_from_file_location(
-    "bench_services", Path(__file__).resolve().parents[1] / "benchmarks" / "_services.py")
-assert _spec is not None and _spec.loader is not None
-_services = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _services  # its dataclasses look their module up
-_spec.loader.exec_module(_services)
+from benchmarks.common import services as _services
 
 
 @pytest.mark.parametrize(("cores", "k"), [(16, 1), (16, 4), (16, 7), (3, 1), (5, 2)])

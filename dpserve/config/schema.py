@@ -27,7 +27,7 @@ class RouterConfig:
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
     `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the
-    engines' own queue and KV-cache reports). Why the default: benchmarks/README.md."""
+    engines' own queue and KV-cache reports). Why the default: benchmarks/routing/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
     connect_timeout_s: float = 5.0

@@ -37,7 +37,7 @@ itself (~0.5 GiB per process) and communication buffers come on top: the verdict
 keeps 10% headroom.
 
 The GPU figures (bf16 autocast) follow the same count in 2-byte elements, checked on
-an H100 (benchmarks/gpu_check.py precision): what autograd saves is within 0.85-1.16 of
+an H100 (benchmarks/gpu/check.py precision): what autograd saves is within 0.85-1.16 of
 the estimate on the test shapes under ddp and fsdp; the tests run on CPU.
 """
 

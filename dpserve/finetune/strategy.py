@@ -136,7 +136,7 @@ def _prefetch_explicitly(model: torch.nn.Module, layers: list[torch.nn.Module]) 
     the next layer is prefetched in forward, the previous one in backward. (The
     reduce-scatter stays synchronous: FSDP2 issues it without `async_op`.) Measured
     on 2 ranks, 156M model: 0.47x -> 0.62x ddp's samples/s (ZeRO-2: 0.62x -> 0.72x),
-    benchmarks/finetune_memory.py."""
+    benchmarks/finetune/memory.py."""
     from torch.distributed.fsdp import FSDPModule
 
     set_async = getattr(model, "_set_unshard_async_op", None)

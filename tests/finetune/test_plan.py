@@ -190,7 +190,7 @@ def test_plan_prints_every_strategy_and_a_verdict_without_training(gqa_model, tm
 def test_an_8b_llama_plan_matches_the_known_sizes():
     """Meta-Llama-3-8B (from its config alone): ~16 bytes per parameter under ddp, an
     eighth of that per rank under fsdp on 8 GPUs."""
-    config = Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3-8b"
+    config = Path(__file__).parents[2] / "benchmarks" / "finetune" / "configs" / "llama-3-8b"
     shape = model_shape(str(config), TARGETS)
     assert 8.0e9 < shape.params < 8.1e9
     ddp = estimate(shape, Setup("ddp", 8, 1, 4096, gpu=True))

@@ -8,7 +8,7 @@ any prefix home. Both start cold and see the same kind of traffic, so what diffe
 the version. Judged against the rest of the fleet instead, a healthy canary loses to
 warm caches and to prefix affinity's hits on them: under a chat-like load on 4 CPU
 replicas, 6 of 9 healthy deploys failed the default gate against the others, 2 of 9
-against the baseline (`benchmarks/canary_baseline.py`). This is the practice of
+against the baseline (`benchmarks/deploy/canary_baseline.py`). This is the practice of
 automated canary analysis ("compare the canary against an equivalent baseline
 deployed at the same time, not against production": Spinnaker/Kayenta).
 

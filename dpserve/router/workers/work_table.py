@@ -4,7 +4,7 @@
 workers that each knew only their own sends, or learned the other's over the
 socket pair (0.1 to 4 ms later on a busy 2-core machine), picked the same replica
 for requests that arrived a millisecond apart: 25 of 400 picks broke the round
-robin a single process keeps, and p99 TTFT rose 15% (benchmarks/README.md). So the
+robin a single process keeps, and p99 TTFT rose 15% (benchmarks/routing/README.md). So the
 counts live in a shared table instead, read at the moment of every choice.
 
 Layout: one row per worker, one cell per replica slot (the leader numbers the

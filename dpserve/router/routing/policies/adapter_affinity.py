@@ -39,7 +39,7 @@ from dpserve.router.routing.policies.recent_work import under_cap
 ADAPTER_LOAD_FACTOR = 1.5
 """Default bound: a replica keeps an adapter's requests while its in-flight count is
 under 1.5 x the average. At 2 or more, two replicas never spill: one replica holding
-every request is exactly twice the average (benchmarks/adapter_routing.py)."""
+every request is exactly twice the average (benchmarks/routing/adapter.py)."""
 ENGINE_REPORT_MAX_AGE_S = 3.0
 """An engine's adapter sets count for this long: a few scrapes at the default interval."""
 

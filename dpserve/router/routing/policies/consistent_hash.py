@@ -35,7 +35,8 @@ within about 10% of the mean (the spread shrinks as 1/sqrt(vnodes))."""
 DEFAULT_LOAD_FACTOR = 2.0
 """1 + epsilon of the paper: no replica takes more than twice the average load. Tighter
 bounds spill hot keys onto replicas that must cache them too: with 32 tenants on 8
-simulated replicas, 1.25 lost 5-10 points of prefix-cache hit rate (benchmarks/README.md)."""
+simulated replicas, 1.25 lost 5-10 points of prefix-cache hit rate
+(benchmarks/routing/README.md)."""
 
 
 def stable_hash(text: str) -> int:

@@ -13,7 +13,7 @@ from dpserve.router.routing.policies.recent_work import DEFAULT_HALF_LIFE_S, Rec
 PREFIX_LOAD_FACTOR = 3.0
 """Default bound: at 2, a replica that is home to a few more tenants than average spills
 some of their requests onto replicas that must compute the prefix again (tenants
-workload, benchmarks/README.md: hit rate 89.1% at 2, 89.4% at 3, p99 unchanged)."""
+workload, benchmarks/routing/README.md: hit rate 89.1% at 2, 89.4% at 3, p99 unchanged)."""
 
 DEFAULT_MAX_KEYS = 65536
 """Prefixes remembered (least recently used forgotten first): ~5 MB of table."""
@@ -46,7 +46,7 @@ class PrefixAffinity:
     least work went spreads keys as evenly as requests. On the simulated fleet
     (32 tenants, 8 replicas, virtual clock) that took the hit rate from 82% to
     89% and p99 TTFT from 970 ms to ~580 ms, and on prompts with nothing shared
-    it matches round robin (benchmarks/README.md). The cost: the table is this
+    it matches round robin (benchmarks/routing/README.md). The cost: the table is this
     router's own, so several router processes may each give a key its own home.
     The data-plane workers of one router share it (`journal`, `absorb`): each tells
     the others, every few milliseconds, the homes it gave and the work it sent.

@@ -7,7 +7,7 @@ two. The in-flight count cannot see it: it is dominated by long-running decodes
 another finishes. So two random choices by in-flight count put two fresh
 prompts on one replica about as often as a random pick would, and with uniform
 prompts lose to round robin (p99 TTFT 449 ms against 240 ms, 8 simulated
-replicas, benchmarks/README.md).
+replicas, benchmarks/routing/README.md).
 
 :class:`RecentWork` keeps, per replica, the work sent to it with exponential
 decay (half-life `half_life_s`): each request counts one unit. New work goes to

@@ -1,0 +1,1 @@
+"""What CI cannot check without a CUDA GPU: ``check.sh`` drives ``check``'s subcommands."""

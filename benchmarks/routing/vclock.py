@@ -1,0 +1,296 @@
+"""Routing policies on the simulated fleet in virtual time: exact, repeatable, no CPU noise.
+
+    python -m benchmarks.routing.vclock tenants 10 least-outstanding,prefix-affinity,cache_aware \\
+        [--seeds 0,1,2,3,4] [--num-prompts 400] [--replicas 8] [--load-factor 2]
+
+The same engines as ``quality.py`` (``dpserve.sim.engine.Engine`` with
+``sim_fleet.SIM_CONFIG``), the same workloads and Poisson arrivals, but no
+sockets and no wall clock: engine steps are events on a virtual clock, so a run
+takes a second of CPU and gives the same answer on a busy machine as on an idle
+one. Use it to ask "what if the policy did X" before changing the router, and to
+tell a policy's own effect from a busy machine's. It leaves out the network, the
+router's own latency and the engine's scrape lag beyond ``--scrape-s``.
+
+Policies:
+
+- dpserve's own, built by ``dpserve.router.routing.policies.make_policy`` and fed real
+  ``Replica`` objects whose in-flight counts this loop keeps: ``least-outstanding``,
+  ``round-robin``, ``prefix-affinity``, ``session-affinity``, ``engine-load``;
+- ``cache_aware``: a *model* of vllm-router's (shortest queue when
+  max - min in flight > 64 and max > 1.5 min; else the replica whose routed-text
+  history shares the longest prefix with the prompt, if over 30% of it; else the
+  replica with the least text routed so far) — an approximation of its radix tree;
+- alternatives for dpserve: ``jsq`` (least in flight of all replicas, ties in
+  turn), ``jsq-tokens`` (least outstanding prompt + output tokens of all
+  replicas), ``home`` / ``homeK`` (a prefix key's first request goes to the ``jsq``
+  choice, which becomes its home; later ones go home, unless home holds more
+  than K requests above the least loaded replica, then to the ``jsq`` choice,
+  home unchanged), ``recent-tokens`` (prefix-affinity's spreading, but charging each
+  request its prompt tokens instead of one unit: what the router could do if it
+  were told prompt sizes; it is not).
+
+Prints, per policy, the median over seeds of p50/p99 TTFT (ms), output tokens/s
+(all output over the time from the first arrival to the last token), the
+prefix-cache hit rate, the spread (most requests on one replica / mean) and
+preemptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import dpserve.sim.engine as engine_module
+from benchmarks.routing import sim_fleet as fleet
+from benchmarks.routing import workloads
+from dpserve.config import RouterConfig
+from dpserve.router.fleet.engine_metrics import EngineLoad
+from dpserve.router.fleet.pool import Replica, ReplicaState
+from dpserve.router.routing.policies import RequestInfo, make_policy
+from dpserve.router.routing.policies.prefix_affinity import PREFIX_LOAD_FACTOR
+from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
+from dpserve.sim.config import build_sim_config
+from dpserve.sim.tokenizer import encode
+
+PREFIX_CHARS = 256
+
+
+@dataclass
+class Load:
+    """What the loop knows of one replica beyond its in-flight count."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    routed_chars: int = 0
+
+
+class InTurn:
+    """Least of ``score`` over all replicas; ties go to the next one in turn."""
+
+    def __init__(self, score: Callable[[int], float]) -> None:
+        self.score = score
+        self.last = -1
+
+    def pick(self, n: int) -> int:
+        scores = [self.score(i) for i in range(n)]
+        low = min(scores)
+        for j in range(n):
+            k = (self.last + 1 + j) % n
+            if scores[k] == low:
+                self.last = k
+                return k
+        raise AssertionError("unreachable")
+
+
+class CacheAwareModel:
+    """vllm-router's cache_aware, approximately (see the module docstring)."""
+
+    def __init__(self, reps: list[Replica], loads: list[Load], *, threshold: float = 0.3,
+                 abs_threshold: int = 64, rel_threshold: float = 1.5, chunk: int = 64) -> None:
+        self.reps, self.loads = reps, loads
+        self.seen: list[set[int]] = [set() for _ in reps]
+        self.threshold, self.abs_threshold, self.rel_threshold = (
+            threshold, abs_threshold, rel_threshold)
+        self.chunk = chunk
+
+    def pick(self, prompt: str) -> int:
+        n = len(self.reps)
+        flight = [r.in_flight for r in self.reps]
+        prefixes = [hash(prompt[:k]) for k in range(self.chunk, len(prompt) + 1, self.chunk)]
+        if (max(flight) - min(flight) > self.abs_threshold
+                and max(flight) > min(flight) * self.rel_threshold):
+            i = min(range(n), key=flight.__getitem__)
+        else:
+            matched = [self._matched(k, prefixes) for k in range(n)]
+            best = max(range(n), key=matched.__getitem__)
+            if matched[best] / max(1, len(prompt)) > self.threshold:
+                i = best
+            else:
+                i = min(range(n), key=lambda k: self.loads[k].routed_chars)
+        for h in prefixes:
+            if h not in self.seen[i]:
+                self.seen[i].add(h)
+                self.loads[i].routed_chars += self.chunk
+        return i
+
+    def _matched(self, k: int, prefixes: list[int]) -> int:
+        m = 0
+        for h in prefixes:
+            if h not in self.seen[k]:
+                break
+            m += self.chunk
+        return m
+
+
+class Home:
+    """A prefix key's home replica, chosen by ``jsq`` at first sight (see the docstring)."""
+
+    def __init__(self, reps: list[Replica], jsq: InTurn, slack: int | None) -> None:
+        self.reps, self.jsq, self.slack = reps, jsq, slack
+        self.table: dict[str, int] = {}
+
+    def pick(self, key: str) -> int:
+        home = self.table.get(key)
+        if home is None:
+            home = self.table[key] = self.jsq.pick(len(self.reps))
+            return home
+        low = min(r.in_flight for r in self.reps)
+        if self.slack is None or self.reps[home].in_flight <= low + self.slack:
+            return home
+        return self.jsq.pick(len(self.reps))
+
+
+def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals_seed: int = 0,
+             num_prompts: int = 400, replicas: int = 8, load_factor: float | None = None,
+             scrape_s: float = 1.0) -> dict[str, float]:
+    cfg = build_sim_config({}, fleet.SIM_CONFIG)
+    now = [0.0]
+    engine_module._now = lambda: now[0]  # the engines' clock becomes the virtual one
+    engines = [engine_module.Engine(cfg, seed=i) for i in range(replicas)]
+    reps = [Replica(id=f"r{i}", url=f"sim://{i}", state=ReplicaState.READY)
+            for i in range(replicas)]
+    loads = [Load() for _ in range(replicas)]
+    reqs = workloads.build(workload, num_prompts, seed=seed, max_model_len=cfg.max_model_len)
+    ids = [encode(r.prompt) for r in reqs]
+    gaps = np.random.default_rng(arrivals_seed).exponential(1 / rate, num_prompts)
+    arrivals = np.cumsum(gaps) * (num_prompts / rate) / gaps.sum()  # as loadtest rescales
+    choose = _chooser(policy, reps, loads, random.Random(seed), load_factor, lambda: now[0])
+
+    events: list[tuple[float, int, int]] = [(float(t), 0, i) for i, t in enumerate(arrivals)]
+    if policy == "engine-load":
+        events += [(k * scrape_s, 2, -1) for k in range(1, int(arrivals[-1] / scrape_s) + 2)]
+    heapq.heapify(events)
+    step: list[Any] = [None] * replicas
+    live: list[dict[int, Any]] = [{} for _ in range(replicas)]
+    """Per replica: request index -> its engine sequence, until it finishes."""
+    sent: dict[int, float] = {}
+    ttft: dict[int, float] = {}
+
+    def kick(r: int) -> None:
+        e = engines[r]
+        if step[r] is None and (e.running or e.waiting):
+            batch, seconds = e._schedule()
+            step[r] = batch
+            heapq.heappush(events, (now[0] + seconds, 1, r))
+
+    while events:
+        now[0], kind, x = heapq.heappop(events)
+        if kind == 2:
+            for i, e in enumerate(engines):
+                reps[i].engine = EngineLoad(num_requests_running=e.num_running,
+                                            num_requests_waiting=e.num_waiting,
+                                            kv_cache_usage_perc=e.kv_cache_usage)
+                reps[i].engine_scraped_at = now[0]
+                reps[i].engine_in_flight_at_scrape = reps[i].in_flight
+        elif kind == 0:
+            req = reqs[x]
+            r = choose(req)
+            reps[r].in_flight += 1
+            loads[r].prompt_tokens += req.prompt_tokens
+            loads[r].output_tokens += req.output_tokens
+            live[r][x], sent[x] = engines[r].add(ids[x], req.output_tokens), now[0]
+            kick(r)
+        else:
+            engines[x]._finish_step(step[x], now[0])
+            step[x] = None
+            for i, seq in list(live[x].items()):
+                if i not in ttft and seq.first_token_at is not None:
+                    ttft[i] = seq.first_token_at - sent[i]
+                if seq.finished:
+                    del live[x][i]
+                    reps[x].in_flight -= 1
+                    loads[x].prompt_tokens -= reqs[i].prompt_tokens
+                    loads[x].output_tokens -= reqs[i].output_tokens
+            kick(x)
+
+    t = np.array([ttft[i] for i in range(num_prompts)]) * 1e3
+    stats = [e.stats for e in engines]
+    finished = np.array([s.requests_finished for s in stats])
+    queries = sum(s.prefix_cache_queries for s in stats)
+    return {"ttft_p50_ms": float(np.median(t)), "ttft_p99_ms": float(np.percentile(t, 99)),
+            "hit_rate": sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
+            "spread": float(finished.max() / finished.mean()),
+            "output_tok_s": sum(r.output_tokens for r in reqs) / now[0],
+            "preemptions": float(sum(s.preemptions for s in stats))}
+
+
+def _chooser(policy: str, reps: list[Replica], loads: list[Load], rng: random.Random,
+             load_factor: float | None, clock: Callable[[], float]
+             ) -> Callable[[workloads.Request], int]:
+    index = {id(r): i for i, r in enumerate(reps)}
+    jsq = InTurn(lambda i: reps[i].in_flight)
+    if policy == "jsq":
+        return lambda req: jsq.pick(len(reps))
+    if policy == "jsq-tokens":
+        by_tokens = InTurn(lambda i: loads[i].prompt_tokens + loads[i].output_tokens)
+        return lambda req: by_tokens.pick(len(reps))
+    if policy == "recent-tokens":
+        spread = RecentWork(clock=clock)
+        return lambda req: _charged(spread, reps, index, req.prompt_tokens,
+                                    load_factor or PREFIX_LOAD_FACTOR)
+    if policy.startswith("home"):
+        home = Home(reps, jsq, int(policy[4:]) if policy[4:] else None)
+        return lambda req: home.pick(req.prompt[:PREFIX_CHARS])
+    if policy == "cache_aware":
+        model = CacheAwareModel(reps, loads)
+        return lambda req: model.pick(req.prompt)
+    dpserve = make_policy(policy, rng=rng, load_factor=load_factor, clock=clock)
+
+    def pick(req: workloads.Request) -> int:
+        info = RequestInfo(route="/v1/completions", model="sim-model",
+                           session_id=req.user, prefix=req.prompt[:PREFIX_CHARS])
+        chosen = dpserve.select(reps, info)
+        assert chosen is not None
+        return index[id(chosen)]
+
+    return pick
+
+
+def _charged(spread: RecentWork, reps: list[Replica], index: dict[int, int], units: float,
+             load_factor: float) -> int:
+    chosen = spread.least(under_cap(reps, load_factor))
+    spread.charge(chosen, units)
+    return index[id(chosen)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("workload", choices=workloads.WORKLOADS)
+    p.add_argument("rate", type=float, help="requests/s offered to the whole fleet")
+    p.add_argument("policies", help="comma-separated, see the module docstring")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="arrival-time seeds; medians printed")
+    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--load-factor", type=float, default=RouterConfig().load_factor,
+                   help="dpserve affinity policies (default: the router's)")
+    p.add_argument("--scrape-s", type=float, default=1.0, help="engine-load's scrape period")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"{args.workload} at {args.rate:g} req/s, {args.num_prompts} requests, "
+          f"{args.replicas} replicas, virtual clock; medians over arrival seeds {seeds}")
+    print(f"{'policy':<20}{'TTFT p50':>9}{'TTFT p99':>9}{'out tok/s':>10}{'hit rate':>9}"
+          f"{'spread':>7}{'preempt':>8}   p99 per seed")
+    for policy in args.policies.split(","):
+        runs = [simulate(args.workload, args.rate, policy, arrivals_seed=s,
+                         num_prompts=args.num_prompts, replicas=args.replicas,
+                         load_factor=args.load_factor, scrape_s=args.scrape_s) for s in seeds]
+
+        def med(key: str, runs: list[dict[str, float]] = runs) -> float:
+            return float(np.median([r[key] for r in runs]))
+
+        print(f"{policy:<20}{med('ttft_p50_ms'):>9.0f}{med('ttft_p99_ms'):>9.0f}"
+              f"{med('output_tok_s'):>10.0f}{100 * med('hit_rate'):>8.1f}%"
+              f"{med('spread'):>7.2f}{med('preemptions'):>8.0f}"
+              f"   {[round(r['ttft_p99_ms']) for r in runs]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
