@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import inspect
 import io
 import json
 import pstats
@@ -66,29 +67,53 @@ def canned(stream: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:
 
 
 class CannedUpstream:
-    """Stands in for `UpstreamPool`: every request is answered at once, from memory."""
+    """Stands in for `UpstreamPool` (`Router(upstream=...)`): every request is
+    answered at once, from memory, with `UpstreamResponse.canned`."""
 
     def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        from dpserve.router.upstream.client import UpstreamResponse
-
-        self._make = UpstreamResponse
         self._headers = headers
         self._body = body
         self.requests = 0
 
-    async def request(self, origin: Any, head: bytes, body: bytes, **_: Any) -> Any:
+    def open(self, origin: Any, target: bytes, headers: bytes, body: bytes,
+             **_: Any) -> Any:
         self.requests += 1
-        resp = self._make(None)  # no connection: release() has nothing to give back
-        resp.status = 200
-        resp.raw_headers = list(self._headers)
-        resp.keep_alive = True
-        resp.complete = True
-        resp.chunks = deque([self._body])
-        resp._buffered = len(self._body)
-        return resp
+        return _Answer(self._headers, self._body)
+
+    async def request(self, origin: Any, head: bytes, body: bytes, **_: Any) -> Any:
+        """The client's API before `open` (a `--ref` older than the seam)."""
+        self.requests += 1
+        return _canned(self._headers, self._body)
 
     def close(self) -> None:
         pass
+
+
+def _canned(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
+    from dpserve.router.upstream.client import UpstreamResponse
+
+    if hasattr(UpstreamResponse, "canned"):
+        return UpstreamResponse.canned(200, headers, body)
+    resp = UpstreamResponse(None)  # a --ref before `canned`: set as it would
+    resp.status, resp.raw_headers, resp.keep_alive, resp.complete = 200, list(headers), True, True
+    resp.chunks = deque([body])
+    resp._buffered = len(body)
+    return resp
+
+
+class _Answer:
+    """`async with`: one canned response, released on the way out."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self._resp = _canned(headers, body)
+
+    async def __aenter__(self) -> Any:
+        return self._resp
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._resp.release()
 
 
 async def drive(requests: int, concurrency: int, stream: bool, profile: bool,
@@ -100,13 +125,18 @@ async def drive(requests: int, concurrency: int, stream: bool, profile: bool,
     pool = ReplicaPool([Replica(id=f"r{i}", url=f"http://127.0.0.1:{9000 + i}",
                                 state=ReplicaState.READY, models=frozenset({MODEL}))
                         for i in range(2)])
-    router = Router(pool, RouterConfig() if migration else RouterConfig(migration_limit=0))
-    app = build_app(router)
+    config = RouterConfig() if migration else RouterConfig(migration_limit=0)
     headers, body = canned(stream)
     upstream = CannedUpstream(headers, body)
-    for endpoint in app._forwarded.values():  # the data plane's client, swapped
-        endpoint._upstream = upstream
-        endpoint._migrator._upstream = upstream
+    if "upstream" in inspect.signature(Router).parameters:
+        router = Router(pool, config, upstream=upstream)
+        app = build_app(router)
+    else:  # a --ref before Router(upstream=...): its data plane's client, swapped
+        router = Router(pool, config)
+        app = build_app(router)
+        for endpoint in app._forwarded.values():
+            endpoint._upstream = upstream
+            endpoint._migrator._upstream = upstream
     path = "/v1/chat/completions" if stream else "/v1/completions"
     payload = (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}],
                            "max_tokens": 16, "stream": True}) if stream else
