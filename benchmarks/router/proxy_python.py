@@ -71,34 +71,38 @@ class CannedUpstream:
     answered at once, from memory, with `UpstreamResponse.canned`."""
 
     def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        self._headers = headers
-        self._body = body
+        self._answer = _canned_factory(headers, body)
         self.requests = 0
 
     def open(self, origin: Any, target: bytes, headers: bytes, body: bytes,
              **_: Any) -> Any:
         self.requests += 1
-        return _Answer(self._headers, self._body)
+        return _Answer(self._answer())
 
     async def request(self, origin: Any, head: bytes, body: bytes, **_: Any) -> Any:
         """The client's API before `open` (a `--ref` older than the seam)."""
         self.requests += 1
-        return _canned(self._headers, self._body)
+        return self._answer()
 
     def close(self) -> None:
         pass
 
 
-def _canned(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
+def _canned_factory(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
     from dpserve.router.upstream.client import UpstreamResponse
 
     if hasattr(UpstreamResponse, "canned"):
-        return UpstreamResponse.canned(200, headers, body)
-    resp = UpstreamResponse(None)  # a --ref before `canned`: set as it would
-    resp.status, resp.raw_headers, resp.keep_alive, resp.complete = 200, list(headers), True, True
-    resp.chunks = deque([body])
-    resp._buffered = len(body)
-    return resp
+        return lambda: UpstreamResponse.canned(200, headers, body)
+
+    def made() -> Any:  # a --ref before `canned`: set as it would
+        resp = UpstreamResponse(None)
+        resp.status, resp.raw_headers = 200, list(headers)
+        resp.keep_alive = resp.complete = True
+        resp.chunks = deque([body])
+        resp._buffered = len(body)
+        return resp
+
+    return made
 
 
 class _Answer:
@@ -106,8 +110,8 @@ class _Answer:
 
     __slots__ = ("_resp",)
 
-    def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        self._resp = _canned(headers, body)
+    def __init__(self, resp: Any) -> None:
+        self._resp = resp
 
     async def __aenter__(self) -> Any:
         return self._resp

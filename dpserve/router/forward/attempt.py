@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answered:
     """The client got its answer, or its stream's end (perhaps an error event)."""
 
@@ -16,7 +16,7 @@ class Answered:
     """The replica that ended it: after a migration, the last one; `none` if none."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TryAnother:
     """The replica failed before a byte went to the client: another may take the
     request, after a backoff, as a retry."""
@@ -24,7 +24,7 @@ class TryAnother:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StartOver:
     """A drain took the stream off its replica before its first chunk: it starts over
     on another, which is no failure and no retry."""

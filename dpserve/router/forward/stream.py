@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
 from dpserve.config import RouterConfig
@@ -129,9 +128,10 @@ class StreamOwner:
                 await self._cut(ex, replica.id, broken)
             return Answered(resp.status, replica.id)
         stream.version = stream.version_of(replica)
-        # The first leg's slot and response are the attempt's: released early here.
-        return Answered(resp.status, await self._legs(
-            ex, stream, Leg(slot, resp, first, AsyncExitStack()), tried))
+        # The first leg's slot and response are the attempt's (held by no stack of its
+        # own): released early here all the same.
+        return Answered(resp.status, await self._legs(ex, stream, Leg(slot, resp, first),
+                                                      tried))
 
     async def _legs(self, ex: Exchange, stream: Stream, leg: Leg, tried: list[str]) -> str:
         """Relay a migratable stream leg after leg; the replica that ended it."""
@@ -139,13 +139,14 @@ class StreamOwner:
         while True:
             shape = Tracked(stream, stream.version_of(leg.slot.replica),
                             continuation=continuation)
-            async with leg.held:
-                try:
-                    broken = await self._pump(stream.replied, leg.resp, leg.slot, leg.first,
-                                              shape, movable=stream)
-                finally:  # at once: its breaker hears before the next replica is chosen
-                    leg.resp.release()
-                    leg.slot.release()
+            try:
+                broken = await self._pump(stream.replied, leg.resp, leg.slot, leg.first,
+                                          shape, movable=stream)
+            finally:  # at once: its breaker hears before the next replica is chosen
+                leg.resp.release()
+                leg.slot.release()
+                if leg.held is not None:
+                    await leg.held.aclose()
             if broken is None:
                 return leg.slot.replica.id
             if not broken.movable:

@@ -46,12 +46,12 @@ _DETOKENIZE = b"POST /detokenize"
 @dataclass
 class Leg:
     """One replica's part of a stream: its slot and its response (the first chunk
-    read), held by `held` until the stream pump is done with them."""
+    read), held by `held` (a continuation's) until the stream pump is done with them."""
 
     slot: Slot
     resp: UpstreamResponse
     first: bytes
-    held: AsyncExitStack
+    held: AsyncExitStack | None = None
 
 
 class Migrator:
