@@ -8,7 +8,14 @@ Values are resolved and checked by `dpserve.config`, which re-exports both class
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyName = Literal["least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
+                     "engine-load"]
+POLICIES: tuple[PolicyName, ...] = typing.get_args(PolicyName)
+"""The replica selection policies `policy` may name (`dpserve.router.routing.policies`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +30,7 @@ class RouterConfig:
     """Processes serving the data plane on the port (SO_REUSEPORT), one core each: the
     first leads (health checks, deploys, admin, metrics) and serves too. More than one
     only where the router, not the engines, is the bottleneck; docs/serving.md."""
-    policy: str = "prefix-affinity"
+    policy: PolicyName = "prefix-affinity"
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
     `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the

@@ -19,6 +19,7 @@ from typing import Any
 
 from dpserve.config import ConfigError, load_yaml, resolve
 from dpserve.config.fielddocs import as_help, field_docs
+from dpserve.finetune.sharding import STRATEGIES, StrategyName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,7 @@ class FinetuneConfig:
     """Rendezvous id shared by the nodes of one job."""
     max_restarts: int = 0
     """Times the elastic agent restarts the workers after a failure (resuming)."""
-    strategy: str = "ddp"
+    strategy: StrategyName = "ddp"
     """How ranks share the work: `ddp` (every rank holds weights, gradients and AdamW
     state), `zero1` (DDP with the optimizer state sharded over ranks) or `fsdp` (FSDP2:
     parameters, gradients and optimizer state sharded, ZeRO-3)."""
@@ -108,8 +109,6 @@ class FinetuneConfig:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-
-STRATEGIES = ("ddp", "zero1", "fsdp")
 
 LAUNCH_ONLY = frozenset({"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
                          "max_restarts"})

@@ -41,6 +41,7 @@ from dpserve.finetune.data import DataError, ExampleDataset, collate, load_datas
 from dpserve.finetune.dist import Dist, setup_distributed
 from dpserve.finetune.memory import ActivationMeter, peak_bytes, report_memory, state_bytes
 from dpserve.finetune.progress import LossLog, Progress
+from dpserve.finetune.sharding import Strategy
 from dpserve.finetune.state import load_train_state, save
 from dpserve.finetune.strategy import Parallel, wrap
 
@@ -101,7 +102,7 @@ def autocast_for(cfg: FinetuneConfig, d: Dist) -> Callable[[], Any]:
     (fp32 master weights, bf16 matmuls), nothing on CPU (bf16 matmuls are slow there)
     nor under fsdp, whose mixed-precision policy already computes in bf16 (autocast
     would cast twice)."""
-    if d.device.type == "cuda" and cfg.strategy != "fsdp":
+    if d.device.type == "cuda" and Strategy.named(cfg.strategy).uses_autocast:
         return partial(torch.autocast, "cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -275,7 +276,8 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
         resumed_from = ckpt.latest_checkpoint(output, with_train_state=True)
     # ddp/zero1 full fine-tunes resume from the served weights (plus fp32 masters when
     # those are lossy); fsdp restores its fp32 shards and LoRA its adapter over the base.
-    full_weights_saved = cfg.strategy != "fsdp" and cfg.lora_rank is None
+    sharded_state = Strategy.named(cfg.strategy).saves_sharded_state
+    full_weights_saved = not sharded_state and cfg.lora_rank is None
     model_source = (str(resumed_from) if resumed_from is not None and full_weights_saved
                     else cfg.model)
     # fp32 master weights; bf16 autocast (or FSDP's bf16 policy) on GPU for the matmuls.
@@ -286,7 +288,7 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
         from dpserve.finetune import lora
 
         model = lora.apply_lora(model, cfg)
-        if resumed_from is not None and cfg.strategy != "fsdp":  # fsdp: from its DCP state
+        if resumed_from is not None and not sharded_state:  # else from its DCP state
             lora.load_adapter_weights(model, resumed_from)
     par = wrap(model, cfg, d)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -348,9 +350,8 @@ def _announce(cfg: FinetuneConfig, d: Dist, data: _Data, t: _Trainee, global_bat
 
 def _describe(cfg: FinetuneConfig) -> str:
     """The strategy in a few words: "fsdp (ZeRO-3), activation checkpointing"."""
-    what = {"ddp": "ddp", "zero1": "zero1 (optimizer state sharded)",
-            "fsdp": "fsdp (ZeRO-3)" if cfg.reshard_after_forward else "fsdp (ZeRO-2)"}
-    words = [what[cfg.strategy]]
+    words = [Strategy.named(cfg.strategy).describe(
+        reshard_after_forward=cfg.reshard_after_forward)]
     if cfg.lora_rank is not None:
         words.append(f"LoRA rank {cfg.lora_rank} on {cfg.lora_targets}")
     if cfg.activation_checkpointing:
