@@ -34,7 +34,8 @@ class RouterConfig:
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
     `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the
-    engines' own queue and KV-cache reports). Why the default: benchmarks/README.md."""
+    engines' own queue and KV-cache reports). Why `prefix-affinity` unless set:
+    benchmarks/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
     connect_timeout_s: float = 5.0
@@ -205,8 +206,8 @@ class RouterConfig:
     lora_affinity: bool = True
     """With `enable_lora`: a request for an adapter prefers replicas where that adapter
     is running (else one with a free slot, else the least work of other adapters),
-    within `load_factor` x the average in flight (default 1.5); `policy` chooses among
-    them. Off: adapter requests are placed by `policy` alone."""
+    within `load_factor` x the average in flight (1.5 unless set); `policy` chooses
+    among them. Off: adapter requests are placed by `policy` alone."""
     max_lora_rank: int = 16
     """Largest adapter rank the replicas accept (vLLM's `--max-lora-rank`; memory is
     reserved for it); a deploy of a higher rank is refused before any replica changes."""
@@ -230,7 +231,8 @@ class ServeConfig:
     replicas: int | None = None
     """Number of replicas. Default: one per GPU, or 2 CPU replicas without a GPU."""
     gpus: list[int] | None = None
-    """GPU indices to use, one replica each. Default: all visible GPUs."""
+    """GPU indices to use (comma-separated on the command line), one replica each.
+    Default: all visible GPUs."""
     cpu_kvcache_gib: float = 1.0
     """KV-cache size per CPU replica (VLLM_CPU_KVCACHE_SPACE), in GiB."""
     cpu_binds: str | None = None
