@@ -1,17 +1,20 @@
 """The `dpserve` subcommands and their flags (`dpserve.cli` parses with them).
 
-A flag that sets a setting has no default of its own (None): the environment and
-the YAML file may still set it, and `dpserve.config.reference.document` adds the setting's
-default to its help.
+A flag that sets a setting is generated from the setting's field
+(`dpserve.config.flags`): its name, type and help come from there, and it has no
+default of its own (None), so the environment and the YAML file may still set it;
+`dpserve.config.reference.document` adds the setting's default to its help. The
+flags that set nothing (`--replica`, `deploy`'s, `demo`'s) are written out here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
-from dpserve.config import POLICIES
+from dpserve.config import RouterConfig, ServeConfig
+from dpserve.config.flags import add_setting_flags
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -22,72 +25,48 @@ def add_commands(sub: Subparsers) -> None:
         add(sub)
 
 
+ROUTER_FLAGS = ("host", "port", "workers", "policy", "max_body_bytes", "max_attempts",
+                "migration_limit", "migration_max_tokens", "health_interval_s",
+                "otlp_traces_endpoint", "graceful_shutdown_s", "log_level", "api_key_file",
+                "admin_key_file", "admin_port", "admin_host", "insecure_admin",
+                "trusted_proxies", "engine_metrics_need_key", "engine_metrics_cache_s",
+                "local_admin_addresses", "checkpoint_root", "snapshot_dir")
+"""The router settings `serve` and `router` take as flags; the others (timeouts, queue,
+breaker, ...) come from the environment or the YAML file, and the keys themselves never
+from a flag, where `ps` would show them."""
+LORA_FLAGS = ("enable_lora", "max_loras", "lora_affinity", "max_lora_rank", "max_cpu_loras",
+              "loras")
+ROUTER_ONLY_FLAGS = ("discover", "discover_interval_s", "route_around_paused", "deploy_lock",
+                     "deployed_link")
+SERVE_FLAGS = ("model", "served_model_name", "replicas", "gpus", "cpu_kvcache_gib",
+               "cpu_binds", "startup_timeout_s", "run_dir")
+
+FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
+    # The setting also takes `critical`, in any case, from the environment or the file.
+    "log_level": {"choices": ("debug", "info", "warning", "error")},
+    # Where else a key may come from: the setting's docstring is about the file.
+    "api_key_file": {"help": "file with the keys clients may send, one per line, each at "
+                             "least 8 characters (or set DPSERVE_API_KEY / DPSERVE_API_KEYS)"},
+    "admin_key_file": {"help": "file with the key for /admin/*, at least 16 characters (or "
+                               "set DPSERVE_ADMIN_KEY); without one, /admin/* answers "
+                               "loopback clients only"},
+    "trusted_proxies": {"metavar": "ADDR[,ADDR...]"},
+    "local_admin_addresses": {"metavar": "ADDR[,ADDR...]"},
+    "checkpoint_root": {"metavar": "DIR"},
+    "snapshot_dir": {"metavar": "DIR"},
+    "loras": {"flags": ("--lora",), "action": "append", "metavar": "NAME=DIR"},
+    "discover": {"metavar": "dns://NAME:PORT"},
+    "deploy_lock": {"metavar": "FILE"},
+    "deployed_link": {"metavar": "LINK"},
+}
+"""Where a flag differs from what its field gives (`dpserve.config.flags`)."""
+
+
 def _router_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("router")
-    g.add_argument("--host", help="address of the OpenAI API (default 127.0.0.1)")
-    g.add_argument("--port", type=int, help="port of the OpenAI API (default 8000)")
-    g.add_argument("--workers", type=int,
-                   help="processes serving the data plane on the port, one core each "
-                        "(default 1)")
-    g.add_argument("--policy", choices=POLICIES, help="replica selection policy")
-    g.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
-    g.add_argument("--max-attempts", type=int, help="replicas tried per request")
-    g.add_argument("--migration-limit", type=int,
-                   help="moves of one stream to another replica after its own failed "
-                        "mid-stream (default 3; 0: off)")
-    g.add_argument("--migration-max-tokens", type=int,
-                   help="longest context (prompt + generated tokens) a migration replays")
-    g.add_argument("--health-interval-s", type=float, help="active health check period")
-    g.add_argument("--otlp-traces-endpoint",
-                   help="OTLP/HTTP URL to send traces to (default: "
-                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)")
-    g.add_argument("--graceful-shutdown-s", type=float,
-                   help="time in-flight requests get on shutdown")
-    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    g.add_argument("--api-key-file",
-                   help="file with the keys clients may send, one per line, each at least "
-                        "8 characters (or set DPSERVE_API_KEY / DPSERVE_API_KEYS)")
-    g.add_argument("--admin-key-file",
-                   help="file with the key for /admin/*, at least 16 characters (or set "
-                        "DPSERVE_ADMIN_KEY); without one, /admin/* answers loopback "
-                        "clients only")
-    g.add_argument("--admin-port", type=int,
-                   help="serve /admin/* only on this port, at --admin-host (default: on "
-                        "the API port)")
-    g.add_argument("--admin-host", help="address of the --admin-port listener")
-    g.add_argument("--insecure-admin", action="store_true", default=None,
-                   help="allow --host beyond loopback without an admin key (/admin/* "
-                        "then trusts loopback clients)")
-    g.add_argument("--trusted-proxies", metavar="ADDR[,ADDR...]",
-                   help="proxies whose X-Forwarded-For is believed (addresses or CIDRs); "
-                        "needs an admin key")
-    g.add_argument("--engine-metrics-need-key", action="store_true", default=None,
-                   help="/metrics/engines needs an API key or the admin key (default: open)")
-    g.add_argument("--engine-metrics-cache-s", type=float,
-                   help="/metrics/engines answers from one fetch for this long (default 1)")
-    g.add_argument("--local-admin-addresses", metavar="ADDR[,ADDR...]",
-                   help="loopback client addresses (or CIDRs) that may call /admin/* "
-                        "without an admin key (default 127.0.0.1,::1)")
-    g.add_argument("--checkpoint-root", metavar="DIR",
-                   help="deploys load checkpoints inside DIR only (default: the served "
-                        "model's parent directory)")
-    g.add_argument("--snapshot-dir", metavar="DIR",
-                   help="where deploys copy checkpoints before checking them; engines load "
-                        "the copy (default for serve: RUN_DIR/snapshots)")
-    lora = p.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true", default=None,
-                      help="replicas take LoRA adapters at run time (serve: starts them so)")
-    lora.add_argument("--max-loras", type=int,
-                      help="adapters a replica computes with at once (default 1)")
-    lora.add_argument("--lora-affinity", action=argparse.BooleanOptionalAction, default=None,
-                      help="adapter requests prefer replicas where their adapter is running "
-                           "(default on)")
-    lora.add_argument("--max-lora-rank", type=int,
-                      help="largest adapter rank the replicas accept (default 16)")
-    lora.add_argument("--max-cpu-loras", type=int,
-                      help="adapters a replica keeps in host memory (default: --max-loras)")
-    lora.add_argument("--lora", action="append", dest="loras", metavar="NAME=DIR",
-                      help="deploy the adapter checkpoint DIR as NAME at start (repeat)")
+    add_setting_flags(p.add_argument_group("router"), RouterConfig, ROUTER_FLAGS,
+                      overrides=FLAG_OVERRIDES)
+    add_setting_flags(p.add_argument_group("LoRA adapters"), RouterConfig, LORA_FLAGS,
+                      overrides=FLAG_OVERRIDES)
     p.add_argument("--config", help="YAML settings file (flags > env DPSERVE_* > file)")
 
 
@@ -103,19 +82,7 @@ def _add_serve(sub: Subparsers) -> None:
         "serve", help="start one vLLM replica per GPU (or CPU slice) and the router",
         description="Arguments after `--` are passed to every `vllm serve`.",
     )
-    serve.add_argument("--model", help="model directory (holding config.json) or Hugging "
-                                       "Face id (ORG/NAME, fetched by vLLM)")
-    serve.add_argument("--served-model-name",
-                       help="name clients put in `model` (default: --model)")
-    serve.add_argument("--replicas", type=int,
-                       help="number of replicas (default: one per visible GPU, else 2 on CPU)")
-    serve.add_argument("--gpus", help="comma-separated GPU indices, one replica each "
-                                      "(default: every visible GPU)")
-    serve.add_argument("--cpu-kvcache-gib", type=float, help="KV cache per CPU replica")
-    serve.add_argument("--cpu-binds", help="cores per CPU replica, e.g. 0-3|4-7 (default: "
-                                           "the usable cores split evenly)")
-    serve.add_argument("--startup-timeout-s", type=float, help="deadline for a replica to start")
-    serve.add_argument("--run-dir", help="where per-replica logs go (default ./runs)")
+    add_setting_flags(serve, ServeConfig, SERVE_FLAGS)
     _router_flags(serve)
 
 
@@ -123,20 +90,7 @@ def _add_router(sub: Subparsers) -> None:
     router = sub.add_parser("router", help="run the router alone in front of existing replicas")
     router.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="replica base URL, e.g. http://10.0.0.5:8000 (repeat)")
-    router.add_argument("--discover", metavar="dns://NAME:PORT",
-                        help="find replicas as the A records of NAME (e.g. a Kubernetes "
-                             "headless Service), re-resolved on an interval")
-    router.add_argument("--discover-interval-s", type=float,
-                        help="seconds between two lookups of --discover's name (default 5)")
-    router.add_argument("--route-around-paused", action="store_true", default=None,
-                        help="keep replicas that answer /is_paused true out of rotation "
-                             "(several routers share the replicas)")
-    router.add_argument("--deploy-lock", metavar="FILE",
-                        help="lock file on storage shared by every router: one deploy at a "
-                             "time across them")
-    router.add_argument("--deployed-link", metavar="LINK",
-                        help="symlink pointed at each successfully deployed checkpoint, "
-                             "for engines restarted later to load")
+    add_setting_flags(router, RouterConfig, ROUTER_ONLY_FLAGS, overrides=FLAG_OVERRIDES)
     router.add_argument("--base-model", metavar="DIR",
                         help="local model directory the replicas were started on; "
                              "`dpserve deploy` checks checkpoints against it")

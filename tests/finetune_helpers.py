@@ -75,10 +75,11 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def plan_matches(model: Path, memory: dict[str, object], *, within: float = 0.05) -> None:
     """A run's OUTPUT/memory.json (rank 0) against `--plan` for the same settings."""
     from dpserve.finetune.plan import Setup, estimate, model_shape
+    from dpserve.finetune.sharding import Strategy
 
     rank0 = memory["ranks"][0]  # type: ignore[index]
-    setup = Setup(strategy=str(memory["strategy"]), world_size=int(memory["world_size"]),
-                  micro_batch=1, seq_len=1, gpu=False,
+    setup = Setup(strategy=Strategy.named(str(memory["strategy"])),
+                  world_size=int(memory["world_size"]), micro_batch=1, seq_len=1, gpu=False,
                   reshard_after_forward=bool(memory["reshard_after_forward"]),
                   lora_rank=memory["lora_rank"])  # type: ignore[arg-type]
     planned = estimate(model_shape(str(model), LORA_TARGETS), setup)

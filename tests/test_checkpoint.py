@@ -349,7 +349,7 @@ def test_a_train_state_replacement_killed_midway_never_looks_complete_but_half(t
         (Path(path) / "trainer.pt").unlink(missing_ok=True)  # got this far
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    monkeypatch.setattr(shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         ckpt.write_train_state(tmp_path, 3, files(**{"trainer.pt": "new"}))
     state = ckpt.train_state_dir(tmp_path, 3)
@@ -412,17 +412,17 @@ def test_a_prune_interrupted_midway_never_leaves_a_half_deleted_checkpoint(tmp_p
                                                                          monkeypatch):
     save(tmp_path, 1)
     save(tmp_path, 2)
-    real_rmtree = ckpt.shutil.rmtree
+    real_rmtree = shutil.rmtree
 
     def killed(path: Path, *args: object, **kw: object) -> None:
         (Path(path) / "w.bin").unlink()  # got this far
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    monkeypatch.setattr(shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         ckpt.prune_checkpoints(tmp_path, keep_last=1)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     ckpt.prune_checkpoints(tmp_path, keep_last=1)
     assert names(tmp_path) == ["step-000002"]
 

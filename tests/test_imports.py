@@ -132,3 +132,19 @@ def test_the_routers_sub_packages_import_only_downwards():
             if dst is not None and dst != src and rank[dst] >= rank[src]:
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def test_reading_a_checkpoint_needs_nothing_of_the_writer():
+    """The deploy reads checkpoints others wrote; the format it checks them against must
+    not depend on how the fine-tune publishes them."""
+    edges = graph()
+    assert "dpserve.checkpoint.writer" not in edges["dpserve.checkpoint.format"]
+    assert edges["dpserve.checkpoint.writer"] >= {"dpserve.checkpoint.format"}
+
+
+def test_the_strategy_questions_and_the_flags_import_no_trainer_code():
+    """`dpserve.finetune.sharding` is read by the settings and `--plan`; `dpserve.config.flags`
+    by every command line: neither may pull in the training code (torch) behind them."""
+    edges = graph()
+    assert edges["dpserve.finetune.sharding"] == set()
+    assert edges["dpserve.config.flags"] <= {"dpserve.config.fielddocs"}

@@ -182,6 +182,7 @@ def precision(model_dir: str, out: Path, batch: int, seq: int, *, quick: bool = 
     from dpserve.finetune.dist import setup_distributed
     from dpserve.finetune.memory import state_bytes
     from dpserve.finetune.plan import Setup, estimate, model_shape
+    from dpserve.finetune.sharding import Strategy
     from dpserve.finetune.strategy import wrap
     from dpserve.finetune.train import autocast_for, token_loss_sum
 
@@ -241,7 +242,7 @@ def precision(model_dir: str, out: Path, batch: int, seq: int, *, quick: bool = 
         held = state_bytes(par.model, par.optimizer)
         probe.remove()
         shape = model_shape(path, LORA_TARGETS)
-        plan = estimate(shape, Setup(strategy, 1, batch, seq, gpu=True,
+        plan = estimate(shape, Setup(Strategy.named(strategy), 1, batch, seq, gpu=True,
                                      activation_checkpointing=checkpointing, lora_rank=rank))
         row = {"model": which, "strategy": strategy, "lora_rank": rank,
                "checkpointing": checkpointing, "tokens": batch * seq,

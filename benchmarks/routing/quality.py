@@ -77,7 +77,7 @@ ROUTERS = tuple([f"dpserve:{p}" for p in DPSERVE_POLICIES]
 RATE_PER_REPLICA = {"uniform": 2.75, "heavy-tail": 3.0, "tenants": 1.25}
 """Default offered load, requests/s per replica: 75-85% of the rate where a cache-blind
 policy's p99 TTFT takes off and preemptions start (uniform ~3.5, heavy-tail ~3.5,
-tenants ~1.5 per replica with this engine model; calibrated in benchmarks/README.md)."""
+tenants ~1.5 per replica with this engine model; calibrated in benchmarks/routing/README.md)."""
 READY_TIMEOUT_S = 30.0
 DRAIN_SLACK_S = 60.0
 """Beyond the arrival schedule, how long a load run may take before it is killed."""

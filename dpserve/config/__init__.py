@@ -26,7 +26,6 @@ from typing import Any
 
 from dpserve.config.checks import (
     LORA_RANKS,
-    POLICIES,
     is_loopback_host,
     lora_name_problem,
     parse_lora_spec,
@@ -34,7 +33,7 @@ from dpserve.config.checks import (
     validate_serve,
 )
 from dpserve.config.keys import resolve_keys
-from dpserve.config.schema import RouterConfig, ServeConfig
+from dpserve.config.schema import POLICIES, PolicyName, RouterConfig, ServeConfig
 from dpserve.config.settings import (
     ENV_PREFIX,
     ConfigError,
@@ -46,7 +45,7 @@ from dpserve.config.settings import (
 )
 
 __all__ = ["ENV_PREFIX", "LORA_RANKS", "POLICIES", "ConfigError", "DiscoveryError", "DnsTarget",
-           "RouterConfig", "ServeConfig", "build_router_config", "build_serve_config",
+           "PolicyName", "RouterConfig", "ServeConfig", "build_router_config", "build_serve_config",
            "is_loopback_host", "load_yaml", "lora_name_problem", "parse_lora_spec",
            "parse_target", "resolve"]
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 
-from dpserve.config.schema import RouterConfig, ServeConfig
+from dpserve.config.schema import POLICIES, RouterConfig, ServeConfig
 from dpserve.config.settings import ConfigError, DiscoveryError, parse_target, require
-
-POLICIES = ("least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
-            "engine-load")
 
 
 def validate_router(c: RouterConfig) -> None:

@@ -201,6 +201,8 @@ def _help(action: argparse.Action) -> str:
 
 
 def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:  # a choice: its values are in the meaning
+        return _type_name(type(typing.get_args(hint)[0]))
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return _type_name(args[0])

@@ -8,7 +8,14 @@ Values are resolved and checked by `dpserve.config`, which re-exports both class
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
+
+PolicyName = Literal["least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
+                     "engine-load"]
+POLICIES: tuple[PolicyName, ...] = typing.get_args(PolicyName)
+"""The replica selection policies `policy` may name (`dpserve.router.routing.policies`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,11 +30,12 @@ class RouterConfig:
     """Processes serving the data plane on the port (SO_REUSEPORT), one core each: the
     first leads (health checks, deploys, admin, metrics) and serves too. More than one
     only where the router, not the engines, is the bottleneck; docs/serving.md."""
-    policy: str = "prefix-affinity"
+    policy: PolicyName = "prefix-affinity"
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
     `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the
-    engines' own queue and KV-cache reports). Why the default: benchmarks/routing/README.md."""
+    engines' own queue and KV-cache reports). Why `prefix-affinity` unless set:
+    benchmarks/routing/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
     connect_timeout_s: float = 5.0
@@ -198,8 +206,8 @@ class RouterConfig:
     lora_affinity: bool = True
     """With `enable_lora`: a request for an adapter prefers replicas where that adapter
     is running (else one with a free slot, else the least work of other adapters),
-    within `load_factor` x the average in flight (default 1.5); `policy` chooses among
-    them. Off: adapter requests are placed by `policy` alone."""
+    within `load_factor` x the average in flight (1.5 unless set); `policy` chooses
+    among them. Off: adapter requests are placed by `policy` alone."""
     max_lora_rank: int = 16
     """Largest adapter rank the replicas accept (vLLM's `--max-lora-rank`; memory is
     reserved for it); a deploy of a higher rank is refused before any replica changes."""
@@ -223,7 +231,8 @@ class ServeConfig:
     replicas: int | None = None
     """Number of replicas. Default: one per GPU, or 2 CPU replicas without a GPU."""
     gpus: list[int] | None = None
-    """GPU indices to use, one replica each. Default: all visible GPUs."""
+    """GPU indices to use (comma-separated on the command line), one replica each.
+    Default: all visible GPUs."""
     cpu_kvcache_gib: float = 1.0
     """KV-cache size per CPU replica (VLLM_CPU_KVCACHE_SPACE), in GiB."""
     cpu_binds: str | None = None

@@ -129,6 +129,10 @@ def _coerce(label: str, hint: Any, raw: Any, *, from_text: bool) -> Any:
 
 
 def _scalar(hint: Any, raw: Any) -> Any:
+    if typing.get_origin(hint) is typing.Literal:
+        # A choice reads as its values' type; whether it is one of them is the
+        # validation's to say (in the message that lists them).
+        return _scalar(type(typing.get_args(hint)[0]), raw)
     if hint is bool:
         if isinstance(raw, bool):
             return raw
@@ -157,6 +161,8 @@ def _scalar(hint: Any, raw: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return _type_name(type(typing.get_args(hint)[0]))
     if typing.get_origin(hint) is list:
         return f"a list of {_type_name(typing.get_args(hint)[0])}"
     return {int: "an integer", float: "a finite number", str: "a string", bool: "true/false"}.get(

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.config import ConfigError, load_yaml, resolve
-from dpserve.config.fielddocs import as_help, field_docs
+from dpserve.config.flags import add_setting_flags
+from dpserve.finetune.sharding import STRATEGIES, StrategyName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,7 @@ class FinetuneConfig:
     """Rendezvous id shared by the nodes of one job."""
     max_restarts: int = 0
     """Times the elastic agent restarts the workers after a failure (resuming)."""
-    strategy: str = "ddp"
+    strategy: StrategyName = "ddp"
     """How ranks share the work: `ddp` (every rank holds weights, gradients and AdamW
     state), `zero1` (DDP with the optimizer state sharded over ranks) or `fsdp` (FSDP2:
     parameters, gradients and optimizer state sharded, ZeRO-3)."""
@@ -109,46 +110,22 @@ class FinetuneConfig:
         return asdict(self)
 
 
-STRATEGIES = ("ddp", "zero1", "fsdp")
-
 LAUNCH_ONLY = frozenset({"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
                          "max_restarts"})
 
 
+FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
+    # No argparse choices: a strategy from a flag is refused like one from the environment
+    # or the file, by the validation (naming the setting and its choices).
+    "strategy": {"choices": None},
+}
+"""Where a flag differs from what its field gives (`dpserve.config.flags`)."""
+
+
 def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
-    """The command-line flags; `launcher` adds the process/rendezvous ones."""
-    p.add_argument("--model", help="base model directory or Hugging Face id")
-    p.add_argument("--data", help="training JSONL")
-    p.add_argument("--output", help="checkpoint directory")
-    p.add_argument("--eval-data", help="validation JSONL")
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--epochs", type=float)
-    p.add_argument("--stop-after-steps", type=int)
-    p.add_argument("--micro-batch-size", type=int)
-    p.add_argument("--grad-accum", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--min-lr-ratio", type=float)
-    p.add_argument("--warmup-steps", type=int)
-    p.add_argument("--weight-decay", type=float)
-    p.add_argument("--max-grad-norm", type=float)
-    p.add_argument("--max-seq-len", type=int)
-    p.add_argument("--save-every", type=int)
-    p.add_argument("--keep-last", type=int)
-    p.add_argument("--resume", action="store_true", default=None)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--threads-per-rank", type=int)
-    p.add_argument("--strategy", help="ddp | zero1 | fsdp")
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                   default=None)
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
-    p.add_argument("--bucket-cap-mb", type=float)
-    p.add_argument("--lora-rank", type=int)
-    p.add_argument("--lora-alpha", type=float)
-    p.add_argument("--lora-dropout", type=float)
-    p.add_argument("--lora-targets")
-    p.add_argument("--merge-on-save", action="store_true", default=None)
+    """The command-line flags, one per setting; `launcher` adds the process/rendezvous
+    ones and `--plan`'s."""
+    add_setting_flags(p, FinetuneConfig, skip=LAUNCH_ONLY, overrides=FLAG_OVERRIDES)
     p.add_argument("--config", help="YAML settings file")
     if launcher:
         p.add_argument("--plan", action="store_true",
@@ -158,16 +135,8 @@ def add_arguments(p: argparse.ArgumentParser, *, launcher: bool) -> None:
         p.add_argument("--plan-device", choices=("gpu", "cpu"),
                        help="--plan: plan for GPUs (bf16 autocast) or CPUs (fp32); "
                             "default: what this machine has")
-        p.add_argument("--nproc-per-node", type=int)
-        p.add_argument("--nnodes", type=int)
-        p.add_argument("--node-rank", type=int)
-        p.add_argument("--rdzv-endpoint")
-        p.add_argument("--rdzv-id")
-        p.add_argument("--max-restarts", type=int)
-    docs = field_docs(FinetuneConfig)
-    for action in p._actions:
-        if not action.help and action.dest in docs:  # the setting's own words
-            action.help = as_help(docs[action.dest])
+        add_setting_flags(p, FinetuneConfig, [f.name for f in fields(FinetuneConfig)
+                                              if f.name in LAUNCH_ONLY])
 
 
 def build_finetune_config(

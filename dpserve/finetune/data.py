@@ -21,17 +21,25 @@ Labels follow the Hugging Face causal-LM convention: `labels[i] == input_ids[i]`
 where position i is learned, `IGNORE_INDEX` elsewhere; the loss shifts them.
 `labels[0]` is always `IGNORE_INDEX` since no token predicts the first one, so
 counting non-ignored labels counts the tokens the loss is taken over.
+
+`load_rank_data` splits the examples over the ranks (a shuffled DistributedSampler;
+the eval set exactly once over all of them) and derives the run's length in steps.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
 
+from dpserve.finetune.config import FinetuneConfig
+from dpserve.finetune.dist import Dist
 from dpserve.records import DataError as DataError
 from dpserve.records import read_records as _read_records
 
@@ -214,3 +222,55 @@ def _completion_example(prompt: list[int], completion: list[int]) -> Example:
 
 def _learned(ex: Example) -> int:
     return sum(label != IGNORE_INDEX for label in ex.labels)
+
+
+# -- split over the ranks ------------------------------------------------------------
+
+
+@dataclass
+class RankData:
+    """The training set split over ranks, and what its size implies."""
+
+    dataset: ExampleDataset
+    sampler: DistributedSampler[Any]
+    loader: DataLoader[Any]
+    eval_loader: DataLoader[Any] | None
+    stats: DataStats
+    batches_per_epoch: int
+    steps_per_epoch: int
+    max_steps: int
+
+
+def load_rank_data(cfg: FinetuneConfig, d: Dist, tokenizer: Any) -> RankData:
+    """The training set (and the eval set) as rank `d.rank` reads it, and the run's
+    length in steps; DataError if the data make no full step."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id)
+    examples, stats = load_dataset(Path(cfg.data), tokenizer, max_seq_len=cfg.max_seq_len)
+    dataset = ExampleDataset(examples)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed,
+        drop_last=True)
+    collate_fn = partial(collate, pad_id=pad_id)
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler,
+                        collate_fn=collate_fn, drop_last=True)
+    batches_per_epoch = len(loader)
+    steps_per_epoch = batches_per_epoch // cfg.grad_accum
+    if steps_per_epoch == 0:
+        raise DataError(
+            f"{cfg.data}: {len(dataset)} usable examples make no full step of "
+            f"{cfg.micro_batch_size * d.world_size * cfg.grad_accum} (micro-batch x world "
+            f"size x accumulation); add data or lower the batch")
+    max_steps = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * steps_per_epoch))
+    eval_loader = None
+    if cfg.eval_data is not None:
+        eval_examples, _ = load_dataset(Path(cfg.eval_data), tokenizer,
+                                        max_seq_len=cfg.max_seq_len)
+        # Every example exactly once over all ranks (a DistributedSampler would pad
+        # with repeats); ranks may get unequal counts, only the final sums are reduced.
+        eval_set = Subset(ExampleDataset(eval_examples),
+                          range(d.rank, len(eval_examples), d.world_size))
+        eval_loader = DataLoader(eval_set, batch_size=cfg.micro_batch_size,
+                                 collate_fn=collate_fn)
+    return RankData(dataset, sampler, loader, eval_loader, stats, batches_per_epoch,
+                    steps_per_epoch, max_steps)

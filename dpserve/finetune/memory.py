@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import weakref
@@ -260,3 +261,42 @@ def report_memory(cfg: FinetuneConfig, d: Dist, mine: dict[str, int], output: Pa
           + (f", GPU peak {mib['peak_device']:,.0f} MiB" if "peak_device" in mib else "")
           + (f" (steps 1-{peak_steps})" if peak_steps > 1 else ""),
           flush=True)
+
+
+class MemoryProbe:
+    """What a rank holds in its first steps, for OUTPUT/memory.json and the start of the
+    log: the numbers `dpserve finetune --plan` estimates, measured while training.
+
+    What a rank holds is measured in the first step, but AdamW allocates its state only
+    in that step's update, once the activations are freed: the peak of a step that
+    holds both is the second's (on an H100, 2 GiB more for a 270M model). So the
+    report waits for the second step (the first, if the run has only one)."""
+
+    def __init__(self, cfg: FinetuneConfig, d: Dist, output: Path, planned_steps: int) -> None:
+        self._cfg, self._d, self._output = cfg, d, output
+        self._report_after = 2 if planned_steps >= 2 else 1
+        self._steps = 0
+        self._meter: ActivationMeter | None = None
+        self._held: dict[str, int] | None = None
+
+    def micro_batch(self, i: int) -> contextlib.AbstractContextManager[object]:
+        """Around micro-batch `i`'s forward and backward: the first step's first one is
+        metered."""
+        if self._steps == 0 and i == 0:
+            self._meter = ActivationMeter()
+            return self._meter
+        return contextlib.nullcontext()
+
+    def updated(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After the first step's update, before its gradients are freed: the state."""
+        if self._meter is not None and self._held is None:
+            self._held = {**state_bytes(model, optimizer), "activations": self._meter.peak_bytes}
+
+    def step_done(self) -> None:
+        """At the end of each step; reports once the step it waits for has run (a
+        collective: every rank calls it)."""
+        self._steps += 1
+        if self._held is not None and self._steps == self._report_after:
+            report_memory(self._cfg, self._d, {**self._held, **peak_bytes(self._d.device)},
+                          self._output, peak_steps=self._steps)
+            self._held = None

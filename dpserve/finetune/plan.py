@@ -52,6 +52,7 @@ import torch
 
 from dpserve.finetune.config import FinetuneConfig, lora_targets
 from dpserve.finetune.launch import DEFAULT_CPU_PROCS
+from dpserve.finetune.sharding import DDP, FSDP, ZERO1, Strategy
 
 GIB = 1024**3
 HEADROOM = 0.9
@@ -79,7 +80,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Setup:
-    strategy: str
+    strategy: Strategy
     world_size: int
     micro_batch: int
     seq_len: int
@@ -188,7 +189,7 @@ def copy_bytes(shape: Shape, setup: Setup, adapter: int) -> float:
     trainable weight's copy is cached for the whole step, a frozen one's saved for the
     backward — under activation checkpointing only outside the layers and for the
     layer being recomputed."""
-    if not setup.gpu or setup.strategy == "fsdp":
+    if not setup.gpu or not setup.strategy.uses_autocast:
         return 0.0
     if setup.lora_rank is None:
         return 2.0 * shape.linear_params
@@ -204,7 +205,7 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
     act = activation_bytes(shape, setup), transient_bytes(shape, setup)
     a = shape.lora_params_per_rank * setup.lora_rank if setup.lora_rank is not None else 0
     copies = copy_bytes(shape, setup, a)
-    if setup.strategy == "fsdp":
+    if setup.strategy.shards_params:
         compute = 2 if setup.gpu else 4
         root = p - shape.layers * shape.layer_params
         if setup.reshard_after_forward:  # this layer, the prefetched next one, the root
@@ -216,9 +217,9 @@ def estimate(shape: Shape, setup: Setup) -> Estimate:
         gathered += 4 * shape.layer_params  # one layer's full gradients before reduce-scatter
         return Estimate(4 * p / n, 4 * p / n, 8 * p / n, float(gathered), *act)
     if setup.lora_rank is not None:
-        opt = 8 * a / (n if setup.strategy == "zero1" else 1)
+        opt = 8 * a / (n if setup.strategy.shards_optimizer else 1)
         return Estimate(4 * (p + a), 4 * a, opt, 0.0, *act, copies=copies)
-    opt = 8 * p / (n if setup.strategy == "zero1" else 1)
+    opt = 8 * p / (n if setup.strategy.shards_optimizer else 1)
     return Estimate(4 * p, 4 * p, opt, 0.0, *act, copies=copies)
 
 
@@ -250,7 +251,7 @@ def _verdict(total: float, budget: float) -> str:
 
 def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: str) -> str:
     chosen = estimate(shape, setup)
-    what = setup.strategy + (f" + LoRA rank {setup.lora_rank}" if setup.lora_rank else "")
+    what = setup.strategy.name + (f" + LoRA rank {setup.lora_rank}" if setup.lora_rank else "")
     lines = [
         f"memory plan for {model}: {_count(shape.params)} parameters, {shape.layers} "
         f"layers" + (f", adapter {_count(shape.lora_params_per_rank * setup.lora_rank)} "
@@ -258,7 +259,7 @@ def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: st
         f"  {what}, world size {setup.world_size}, micro-batch {setup.micro_batch} x "
         f"{setup.seq_len} tokens, {'bf16 autocast (GPU)' if setup.gpu else 'fp32 (CPU)'}"
         + (", activation checkpointing" if setup.activation_checkpointing else "")
-        + ("" if setup.strategy != "fsdp" or setup.reshard_after_forward
+        + ("" if not setup.strategy.shards_params or setup.reshard_after_forward
            else ", no reshard after forward"),
         "",
         f"  {'per rank':<22}{'bytes':>14}",
@@ -273,13 +274,12 @@ def format_plan(model: str, shape: Shape, setup: Setup, budget: float, where: st
     lines += [f"  device: {where}; {_verdict(chosen.total, budget)} "
               f"(keeping {100 - 100 * HEADROOM:.0f}% headroom)", "",
               "  the other strategies, same batch:"]
-    others = [replace(setup, strategy=s, lora_rank=None) for s in ("ddp", "zero1", "fsdp")]
-    others += [replace(setup, strategy=s, lora_rank=setup.lora_rank or 16)
-               for s in ("ddp", "fsdp")]
+    others = [replace(setup, strategy=s, lora_rank=None) for s in (DDP, ZERO1, FSDP)]
+    others += [replace(setup, strategy=s, lora_rank=setup.lora_rank or 16) for s in (DDP, FSDP)]
     for other in others:
         if other == setup:
             continue
-        name = other.strategy + (f" + LoRA rank {other.lora_rank}" if other.lora_rank else "")
+        name = other.strategy.name + (f" + LoRA rank {other.lora_rank}" if other.lora_rank else "")
         e = estimate(shape, other)
         lines.append(f"  {name:<22}{_fmt(e.total):>14}  {_verdict(e.total, budget)}")
     return "\n".join(lines)
@@ -300,7 +300,7 @@ def run_plan(cfg: FinetuneConfig, device_memory_gib: float | None,
     except (PlanError, OSError, ValueError) as exc:
         print(f"dpserve finetune: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    setup = Setup(strategy=cfg.strategy, world_size=local * cfg.nnodes,
+    setup = Setup(strategy=Strategy.named(cfg.strategy), world_size=local * cfg.nnodes,
                   micro_batch=cfg.micro_batch_size, seq_len=cfg.max_seq_len,
                   gpu=device == "gpu" if device is not None else gpus > 0,
                   activation_checkpointing=cfg.activation_checkpointing,

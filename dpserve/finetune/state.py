@@ -57,9 +57,10 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
     reads every byte of the base)."""
     rng = _gather_rng(d)
     optimizer_state: Any = None
-    if par.strategy == "zero1":
+    sharded = par.strategy.saves_sharded_state
+    if par.strategy.consolidates_optimizer:  # a collective: rank 0 gathers the shards
         par.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
-    if par.strategy == "fsdp":
+    if sharded:
         staged = _stage_sharded_state(output, step, par, d)
     elif d.master:
         optimizer_state = par.optimizer.state_dict()
@@ -74,8 +75,9 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
         def write_state(tmp: Path) -> None:
             torch.save({"step": step, "epoch": epoch, "optimizer": optimizer_state,
                         "scheduler": scheduler.state_dict(), "rng": rng,
-                        "strategy": par.strategy, "config": cfg.to_json()}, tmp / "trainer.pt")
-            if par.strategy == "fsdp":
+                        "strategy": par.strategy.name, "config": cfg.to_json()},
+                       tmp / "trainer.pt")
+            if sharded:
                 os.rename(staged, tmp / DCP_DIR)
             elif base_dtype != torch.float32 and not lora:  # the served copy is lossy
                 torch.save(par.model.state_dict(), tmp / "master_weights.pt")
@@ -93,7 +95,7 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
                 copy_tokenizer_files(cfg.model, tmp, tokenizer)
 
         extra: dict[str, Any] = {"lr": scheduler.get_last_lr()[0], "epoch": epoch,
-                                 "strategy": par.strategy}
+                                 "strategy": par.strategy.name}
         if lora:
             extra.update(lora_mod.adapter_meta_extra(cfg, fingerprint=base_fingerprint))
         path = ckpt.write_checkpoint(output, step, write_model, base_model=cfg.model,
@@ -105,7 +107,7 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
                                             base_fingerprint_now=base_fingerprint)
             ckpt.prune_checkpoints(output / MERGED_DIR, cfg.keep_last)
             print(f"checkpoint {merged} (merged)", flush=True)
-    elif par.strategy == "fsdp" and not lora:
+    elif par.strategy.shards_params and not lora:
         # The master's writer gathers each tensor: take part, write nothing.
         write_weights(output, files, full_tensors(par.model, master=False), base_dtype,
                       write=False)
@@ -172,10 +174,10 @@ def load_train_state(output: Path, ckpt_dir: Path, cfg: FinetuneConfig, par: Par
     assert state_dir is not None  # latest_checkpoint(with_train_state=True) checked it
     state = load_tensors_only(state_dir / "trainer.pt", d.device)
     saved = state.get("strategy", "ddp")
-    if saved != par.strategy:  # the launcher checks first; a direct torchrun may not
+    if saved != par.strategy.name:  # the launcher checks first; a direct torchrun may not
         raise ckpt.CheckpointError(
             f"{ckpt_dir}: trained with --strategy {saved}; resume with the same strategy")
-    if par.strategy == "fsdp":
+    if par.strategy.saves_sharded_state:
         _load_sharded_state(state_dir / DCP_DIR, par)
     else:
         masters = state_dir / "master_weights.pt"

@@ -1,4 +1,5 @@
-"""How the ranks share a model: `ddp`, `zero1` or `fsdp`, behind one small surface.
+"""How the ranks share a model: `ddp`, `zero1` or `fsdp`, behind one small surface
+(what each one shards, and what follows from it: `dpserve.finetune.sharding`).
 
 | strategy | each rank holds                               | gradients are       |
 |----------|-----------------------------------------------|---------------------|
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dpserve.finetune.comm import CommTimer
 from dpserve.finetune.config import FinetuneConfig
 from dpserve.finetune.dist import Dist
+from dpserve.finetune.sharding import Strategy
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -37,7 +39,7 @@ class Parallel:
     parameters are DTensor shards); `forward` is what the loop calls (the DDP wrapper,
     or the model itself)."""
 
-    strategy: str
+    strategy: Strategy
     model: torch.nn.Module
     forward: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -58,7 +60,7 @@ class Parallel:
         params = [p for p in self.model.parameters() if p.grad is not None]
         # Under fsdp the gradients are DTensor shards; clip_grad_norm_ reduces the norm
         # over the ranks (a collective), so every rank clips by the same global norm.
-        with self.comm.blocking() if self.strategy == "fsdp" else contextlib.nullcontext():
+        with self.comm.blocking() if self.strategy.shards_params else contextlib.nullcontext():
             torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
@@ -80,13 +82,14 @@ def wrap(model: torch.nn.Module, cfg: FinetuneConfig, d: Dist) -> Parallel:
     """Shard or replicate `model` (already on `d.device`, trainable parameters marked),
     and build AdamW over its trainable parameters."""
     comm = CommTimer()
+    strategy = Strategy.named(cfg.strategy)
     if cfg.activation_checkpointing:
         _checkpoint_layers(model)
-    if cfg.strategy == "fsdp":
+    if strategy.shards_params:
         _fully_shard(model, cfg, d)
         itemised = comm.install_fsdp(model)
         optimizer = _adamw(model, cfg)
-        return Parallel("fsdp", model, model, optimizer, comm, itemised)
+        return Parallel(strategy, model, model, optimizer, comm, itemised)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
               bucket_cap_mb=cfg.bucket_cap_mb,
               # Gradients live in the all-reduce buckets (no second copy): 4 B/param less.
@@ -94,14 +97,14 @@ def wrap(model: torch.nn.Module, cfg: FinetuneConfig, d: Dist) -> Parallel:
     # A lambda: DDP rejects a hook whose `bucket` annotation is not the GradBucket class
     # itself, and postponed annotations are strings.
     ddp.register_comm_hook(None, lambda state, bucket: comm.ddp_hook(state, bucket))
-    if cfg.strategy == "zero1":
+    if strategy.shards_optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         params = [p for p in model.parameters() if p.requires_grad]
         zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
                                        betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
-        return Parallel("zero1", model, ddp, zero, comm, True)
-    return Parallel("ddp", model, ddp, _adamw(model, cfg), comm, True)
+        return Parallel(strategy, model, ddp, zero, comm, True)
+    return Parallel(strategy, model, ddp, _adamw(model, cfg), comm, True)
 
 
 def _adamw(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.optim.Optimizer:

@@ -31,16 +31,17 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from dpserve import checkpoint as ckpt
 from dpserve.config import ConfigError
 from dpserve.finetune.config import FinetuneConfig, add_arguments, build_finetune_config
-from dpserve.finetune.data import DataError, ExampleDataset, collate, load_dataset
+from dpserve.finetune.data import DataError, RankData, load_rank_data
 from dpserve.finetune.dist import Dist, setup_distributed
-from dpserve.finetune.memory import ActivationMeter, peak_bytes, report_memory, state_bytes
+from dpserve.finetune.memory import MemoryProbe
 from dpserve.finetune.progress import LossLog, Progress
+from dpserve.finetune.sharding import Strategy
 from dpserve.finetune.state import load_train_state, save
 from dpserve.finetune.strategy import Parallel, wrap
 
@@ -101,7 +102,7 @@ def autocast_for(cfg: FinetuneConfig, d: Dist) -> Callable[[], Any]:
     (fp32 master weights, bf16 matmuls), nothing on CPU (bf16 matmuls are slow there)
     nor under fsdp, whose mixed-precision policy already computes in bf16 (autocast
     would cast twice)."""
-    if d.device.type == "cuda" and cfg.strategy != "fsdp":
+    if d.device.type == "cuda" and Strategy.named(cfg.strategy).uses_autocast:
         return partial(torch.autocast, "cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -124,20 +125,6 @@ def evaluate(model: torch.nn.Module, loader: DataLoader[Any], d: Dist, autocast:
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-@dataclass
-class _Data:
-    """The training set split over ranks, and what its size implies."""
-
-    dataset: ExampleDataset
-    sampler: DistributedSampler[Any]
-    loader: DataLoader[Any]
-    eval_loader: DataLoader[Any] | None
-    stats: Any
-    batches_per_epoch: int
-    steps_per_epoch: int
-    max_steps: int
-
-
 def train(cfg: FinetuneConfig, d: Dist) -> int:
     """Set up, then step until `max_steps` (or a stop), saving as configured; read it
     top to bottom: data, model, the loop (step, log, evaluate, save)."""
@@ -148,7 +135,7 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     output = Path(cfg.output)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    data = _load_data(cfg, d, tokenizer)
+    data = load_rank_data(cfg, d, tokenizer)
     t = _build_trainee(cfg, d, output, data.max_steps)
     autocast = autocast_for(cfg, d)
     consumed = t.start_step * cfg.grad_accum
@@ -165,12 +152,8 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         _announce(cfg, d, data, t, global_batch)
 
     step, last_loss, run_steps = t.start_step, float("nan"), 0
-    # What a rank holds is measured in the first step, but AdamW allocates its state
-    # only in that step's update, once the activations are freed: the peak of a step
-    # that holds both is the second's (on an H100, 2 GiB more for a 270M model).
-    # Reported once the second step ran (the first, if the run has only one).
     planned = min(data.max_steps - t.start_step, cfg.stop_after_steps or data.max_steps)
-    report_after, measured = (2 if planned >= 2 else 1), None
+    probe = MemoryProbe(cfg, d, output, planned)  # what --plan estimates, measured
     epoch = consumed // data.batches_per_epoch
     last_saved = t.start_step if t.resumed_from is not None else -1
     while step < data.max_steps:
@@ -179,14 +162,10 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         for _ in range(cfg.grad_accum):
             epoch, batch = next(stream)
             micro.append({k: v.to(d.device) for k, v in batch.items()})
-        last_loss, n_tokens, held = _step(cfg, d, t, micro, autocast, measure=run_steps == 0)
-        measured = held or measured
+        last_loss, n_tokens = _step(cfg, d, t, micro, autocast, probe)
         step += 1
         run_steps += 1
-        if measured is not None and run_steps == report_after:
-            report_memory(cfg, d, {**measured, **peak_bytes(d.device)}, output,
-                          peak_steps=run_steps)
-            measured = None
+        probe.step_done()
         lr = float(t.scheduler.get_last_lr()[0])
         seconds = time.perf_counter() - t0
         blocked, _ = t.par.comm.take()
@@ -219,39 +198,6 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     return 0
 
 
-def _load_data(cfg: FinetuneConfig, d: Dist, tokenizer: Any) -> _Data:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id)
-    examples, stats = load_dataset(Path(cfg.data), tokenizer, max_seq_len=cfg.max_seq_len)
-    dataset = ExampleDataset(examples)
-    sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=cfg.seed,
-        drop_last=True)
-    collate_fn = partial(collate, pad_id=pad_id)
-    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler,
-                        collate_fn=collate_fn, drop_last=True)
-    batches_per_epoch = len(loader)
-    steps_per_epoch = batches_per_epoch // cfg.grad_accum
-    if steps_per_epoch == 0:
-        raise DataError(
-            f"{cfg.data}: {len(dataset)} usable examples make no full step of "
-            f"{cfg.micro_batch_size * d.world_size * cfg.grad_accum} (micro-batch x world "
-            f"size x accumulation); add data or lower the batch")
-    max_steps = cfg.max_steps or max(1, math.ceil((cfg.epochs or 1.0) * steps_per_epoch))
-    eval_loader = None
-    if cfg.eval_data is not None:
-        eval_examples, _ = load_dataset(Path(cfg.eval_data), tokenizer,
-                                        max_seq_len=cfg.max_seq_len)
-        # Every example exactly once over all ranks (a DistributedSampler would pad
-        # with repeats); ranks may get unequal counts, only the final sums are reduced.
-        eval_set = Subset(ExampleDataset(eval_examples),
-                          range(d.rank, len(eval_examples), d.world_size))
-        eval_loader = DataLoader(eval_set, batch_size=cfg.micro_batch_size,
-                                 collate_fn=collate_fn)
-    return _Data(dataset, sampler, loader, eval_loader, stats, batches_per_epoch,
-                 steps_per_epoch, max_steps)
-
-
 @dataclass
 class _Trainee:
     """The model being trained, sharded or replicated, its schedule, and where a resume
@@ -275,7 +221,8 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
         resumed_from = ckpt.latest_checkpoint(output, with_train_state=True)
     # ddp/zero1 full fine-tunes resume from the served weights (plus fp32 masters when
     # those are lossy); fsdp restores its fp32 shards and LoRA its adapter over the base.
-    full_weights_saved = cfg.strategy != "fsdp" and cfg.lora_rank is None
+    sharded_state = Strategy.named(cfg.strategy).saves_sharded_state
+    full_weights_saved = not sharded_state and cfg.lora_rank is None
     model_source = (str(resumed_from) if resumed_from is not None and full_weights_saved
                     else cfg.model)
     # fp32 master weights; bf16 autocast (or FSDP's bf16 policy) on GPU for the matmuls.
@@ -286,7 +233,7 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
         from dpserve.finetune import lora
 
         model = lora.apply_lora(model, cfg)
-        if resumed_from is not None and cfg.strategy != "fsdp":  # fsdp: from its DCP state
+        if resumed_from is not None and not sharded_state:  # else from its DCP state
             lora.load_adapter_weights(model, resumed_from)
     par = wrap(model, cfg, d)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -298,12 +245,8 @@ def _build_trainee(cfg: FinetuneConfig, d: Dist, output: Path, max_steps: int) -
 
 
 def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch.Tensor]],
-          autocast: Any, *, measure: bool = False
-          ) -> tuple[float, float, dict[str, int] | None]:
-    """One optimizer step over the micro-batches; (mean loss per loss token, tokens, and
-    when `measure`, the bytes this rank held: state after the update, before gradients
-    are freed, and the first micro-batch's activations)."""
-    meter = ActivationMeter() if measure else None
+          autocast: Any, probe: MemoryProbe) -> tuple[float, float]:
+    """One optimizer step over the micro-batches; (mean loss per loss token, tokens)."""
     par = t.par
     # Loss tokens in the whole step, over all ranks: the normaliser (a sync point).
     counts = torch.tensor([sum(loss_tokens(b) for b in micro),
@@ -316,25 +259,22 @@ def _step(cfg: FinetuneConfig, d: Dist, t: _Trainee, micro: list[dict[str, torch
     for i, batch in enumerate(micro):
         # Every strategy averages gradients over ranks; scaling by world_size makes that
         # a sum, normalised by the step's loss tokens.
-        with (par.accumulating(last=i == len(micro) - 1),
-              meter if meter is not None and i == 0 else contextlib.nullcontext(), autocast()):
+        with par.accumulating(last=i == len(micro) - 1), probe.micro_batch(i), autocast():
             loss_sum = token_loss_sum(par.forward, batch)
             (loss_sum * d.world_size / max(n_loss_tokens, 1)).backward()
         step_loss += loss_sum.detach().double()
     if cfg.max_grad_norm > 0:
         par.clip_grad_norm(cfg.max_grad_norm)
     par.optimizer.step()
-    held = None
-    if meter is not None:
-        held = {**state_bytes(par.model, par.optimizer), "activations": meter.peak_bytes}
+    probe.updated(par.model, par.optimizer)
     par.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     with par.comm.blocking():
         dist.all_reduce(step_loss)
-    return float(step_loss) / max(n_loss_tokens, 1), n_tokens, held
+    return float(step_loss) / max(n_loss_tokens, 1), n_tokens
 
 
-def _announce(cfg: FinetuneConfig, d: Dist, data: _Data, t: _Trainee, global_batch: int
+def _announce(cfg: FinetuneConfig, d: Dist, data: RankData, t: _Trainee, global_batch: int
               ) -> None:
     stats = data.stats
     print(f"finetune: {len(data.dataset)} examples ({stats.loss_tokens} loss tokens, "
@@ -348,9 +288,8 @@ def _announce(cfg: FinetuneConfig, d: Dist, data: _Data, t: _Trainee, global_bat
 
 def _describe(cfg: FinetuneConfig) -> str:
     """The strategy in a few words: "fsdp (ZeRO-3), activation checkpointing"."""
-    what = {"ddp": "ddp", "zero1": "zero1 (optimizer state sharded)",
-            "fsdp": "fsdp (ZeRO-3)" if cfg.reshard_after_forward else "fsdp (ZeRO-2)"}
-    words = [what[cfg.strategy]]
+    words = [Strategy.named(cfg.strategy).describe(
+        reshard_after_forward=cfg.reshard_after_forward)]
     if cfg.lora_rank is not None:
         words.append(f"LoRA rank {cfg.lora_rank} on {cfg.lora_targets}")
     if cfg.activation_checkpointing:

@@ -30,6 +30,7 @@ from dpserve.finetune.plan import (
     model_shape,
     transient_bytes,
 )
+from dpserve.finetune.sharding import DDP, FSDP, ZERO1, Strategy
 from dpserve.finetune.train import token_loss_sum
 from tests.finetune_helpers import LORA_TARGETS as TARGETS
 
@@ -108,7 +109,7 @@ def test_the_activation_estimate_is_within_25_percent_of_what_autograd_saves_and
         request, which, batch, seq, checkpointing):
     model = request.getfixturevalue(f"{which}_model")
     shape = model_shape(str(model), TARGETS)
-    setup = Setup("ddp", 1, batch, seq, gpu=False, activation_checkpointing=checkpointing)
+    setup = Setup(DDP, 1, batch, seq, gpu=False, activation_checkpointing=checkpointing)
     saved, peak = measured_activations(model, batch, seq, checkpointing=checkpointing)
     planned = activation_bytes(shape, setup)
     assert abs(planned - saved) <= TOLERANCE * saved, (planned, saved)
@@ -155,7 +156,8 @@ def test_the_state_estimate_is_what_a_rank_holds_and_fsdp_saves_no_parameters(
     par.optimizer.step()
     held = state_bytes(par.model, par.optimizer)
     shape = model_shape(str(gqa_model), TARGETS)
-    planned = estimate(shape, Setup(strategy, 1, 2, 64, gpu=False, lora_rank=lora_rank))
+    planned = estimate(shape, Setup(Strategy.named(strategy), 1, 2, 64, gpu=False,
+                                    lora_rank=lora_rank))
     assert (planned.weights, planned.grads) == (held["weights"], held["grads"])
     trained = sum(1 for p in par.model.parameters() if p.requires_grad)
     assert 0 <= held["optimizer"] - planned.optimizer <= 4 * trained
@@ -193,8 +195,8 @@ def test_an_8b_llama_plan_matches_the_known_sizes():
     config = Path(__file__).parents[2] / "benchmarks" / "finetune" / "configs" / "llama-3-8b"
     shape = model_shape(str(config), TARGETS)
     assert 8.0e9 < shape.params < 8.1e9
-    ddp = estimate(shape, Setup("ddp", 8, 1, 4096, gpu=True))
-    fsdp = estimate(shape, Setup("fsdp", 8, 1, 4096, gpu=True))
+    ddp = estimate(shape, Setup(DDP, 8, 1, 4096, gpu=True))
+    fsdp = estimate(shape, Setup(FSDP, 8, 1, 4096, gpu=True))
     assert ddp.weights + ddp.grads + ddp.optimizer == 16 * shape.params
     assert fsdp.weights + fsdp.grads + fsdp.optimizer == 2 * shape.params
 
@@ -239,15 +241,15 @@ def test_the_plan_counts_autocasts_bf16_weight_copies_under_ddp_on_a_gpu(gqa_mod
         token_loss_sum(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                "labels": ids}).backward()
     assert sum(casts.bytes.values()) == 2 * linear
-    for strategy in ("ddp", "zero1"):
+    for strategy in (DDP, ZERO1):
         assert estimate(shape, Setup(strategy, 2, 1, 64, gpu=True)).copies == 2 * linear
         checkpointed = Setup(strategy, 2, 1, 64, gpu=True, activation_checkpointing=True)
         assert estimate(shape, checkpointed).copies == 2 * linear  # autocast's cache
-    assert estimate(shape, Setup("fsdp", 2, 1, 64, gpu=True)).copies == 0
-    assert estimate(shape, Setup("ddp", 2, 1, 64, gpu=False)).copies == 0
-    lora = estimate(shape, Setup("ddp", 1, 1, 64, gpu=True, lora_rank=8))
+    assert estimate(shape, Setup(FSDP, 2, 1, 64, gpu=True)).copies == 0
+    assert estimate(shape, Setup(DDP, 2, 1, 64, gpu=False)).copies == 0
+    lora = estimate(shape, Setup(DDP, 1, 1, 64, gpu=True, lora_rank=8))
     assert lora.copies == 2 * (linear + 8 * shape.lora_params_per_rank)
-    gpu = estimate(shape, Setup("ddp", 1, 1, 64, gpu=True))
+    gpu = estimate(shape, Setup(DDP, 1, 1, 64, gpu=True))
     assert gpu.total == pytest.approx(gpu.weights + gpu.grads + gpu.optimizer + gpu.copies
                                       + gpu.activations + gpu.transient)
 
