@@ -53,9 +53,11 @@ load generator the rest: 2K+1 cores at least); with ``--workers-too K`` the
 dpserve-workers column runs one process per core.
 
 **Rounds** (``--rounds N``): every target is measured N times, interleaved
-(direct, dpserve, vllm-router, direct, ...), and each number reported is the
-median over the rounds, so a burst of other work on the machine spoils one
-round rather than one target's column.
+(direct, dpserve, vllm-router, direct, vllm-router, dpserve, ...: the routers'
+order reverses every other round, since the one measured first in a round spends
+10-15% more CPU per request), and each number reported is the median over the
+rounds, so a burst of other work on the machine spoils one round rather than one
+target's column. Use an even N to compare two routers.
 
 **Profile** (``--profile``): one more c=C run against dpserve with py-spy
 attached (installed into the throwaway venv when absent), after the measured
@@ -343,7 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  and (n != "dpserve-baseline" or args.baseline_ref)]
         rounds: dict[str, list[TargetResult]] = {n: [] for n in names}
         for i in range(args.rounds):
-            for name in names:
+            # Every other round the routers go in reverse order: measured first in a
+            # round, a router spent 10-15% more CPU per request (the same code swapped
+            # between columns), so an even --rounds gives each column both places.
+            order = names if i % 2 == 0 else names[:1] + names[:0:-1]
+            for name in order:
                 of = f" (round {i + 1} of {args.rounds})" if args.rounds > 1 else ""
                 print(f"measuring {name}{of} ...", flush=True)
                 rounds[name].append(bench.run_target(name, upstreams, paced,
