@@ -1,0 +1,212 @@
+"""Which replica holds which KV-cache blocks, kept exact by the events each publishes,
+and how many of a prompt's leading blocks each one holds.
+
+Every block is known twice. By the engine's hash (with its medium and KV-cache group),
+because that is what `BlockRemoved` names. And by a *router-side chain key*: a hash of
+the parent's chain key and the block's token ids, rooted in the LoRA adapter's name,
+because a prompt arrives as token ids and the engine's hash has a seed the router does
+not know (random per process for non-cryptographic hashes) nor needs to.
+
+The chain key is Python's own `hash()` of `(parent_key, tokens_tuple)`: about 0.2 us for
+a 16-token block, where blake2b over packed ints costs several times that, and a
+prompt of 8k tokens in 16-token blocks is 512 of them per request. It is stable within
+a process (ints and tuples of ints are not salted; the adapter's name is, but only the
+root carries it), and both sides of a match are computed in the same process, so that
+is all it must be. It is not collision-resistant against a crafted prompt: the worst a
+collision does is send a request to a replica that lacks its prefix.
+
+Ordering: each replica's batches are numbered from 0 by its publisher. A batch that
+skips numbers leaves the replica *stale*: it scores 0, and later batches are ignored
+until the missing ones are applied in order (the publisher's replay), a batch holding
+`AllBlocksCleared` starts it afresh, or `drop` forgets it. A batch numbered 0 after
+others means the engine restarted: its cache is empty, so is the replica's state.
+
+The replica's state starts from the first batch seen. Blocks stored before it are
+unknown: the index underestimates what such a replica holds, never overestimates.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from .events import BlockHash, Cleared, Event, Removed, Stored
+
+DEFAULT_MAX_BLOCKS = 1_000_000
+"""Blocks remembered per replica: an 80 GiB GPU of a 7B model holds ~30k 16-token
+blocks, and CPU offloading tiers a few times that."""
+
+_BlockKey = tuple[str | None, int, BlockHash]
+"""(medium, KV-cache group, engine hash): a block's name in the engine's events."""
+
+
+def root_key(lora: str | None) -> int:
+    """The chain key before a prompt's first block: the adapter's, or the base model's."""
+    return hash(("lora", lora)) if lora is not None else 0
+
+
+def chain_key(parent: int, tokens: tuple[int, ...]) -> int:
+    """The chain key of a block of `tokens` after the block whose key is `parent`."""
+    return hash((parent, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    blocks: int
+    """Blocks known to be held (all media and groups)."""
+    stale: bool
+    """A batch was missed: the replica scores 0 until it is caught up."""
+    seq: int | None
+    """The last batch applied."""
+    applied: int
+    """Events applied."""
+    skipped: int
+    """Events of a kind unknown to the decoder."""
+    gaps: int
+    """Times a batch arrived with numbers missing before it."""
+    evicted: int
+    """Blocks forgotten to stay within the cap (the oldest stored first)."""
+    unkeyed: int
+    """Blocks stored without a chain key (unknown parent, images, cache salt)."""
+
+
+class _Replica:
+    __slots__ = ("applied", "blocks", "chains", "evicted", "gaps", "latest", "seq",
+                 "skipped", "stale", "unkeyed")
+
+    def __init__(self) -> None:
+        self.blocks: OrderedDict[_BlockKey, int | None] = OrderedDict()
+        self.chains: dict[int, int] = {}  # chain key -> how many blocks carry it
+        self.seq: int | None = None
+        self.latest = -1  # the highest batch number seen, applied or not
+        self.stale = False
+        self.applied = self.skipped = self.gaps = self.evicted = self.unkeyed = 0
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.chains.clear()
+
+    def forget(self, key: _BlockKey) -> None:
+        chain = self.blocks.pop(key, None)
+        if chain is not None:
+            left = self.chains[chain] - 1
+            if left:
+                self.chains[chain] = left
+            else:
+                del self.chains[chain]
+
+    def store(self, event: Stored, max_blocks: int) -> None:
+        group = event.group_idx or 0
+        size = event.block_size
+        n = len(event.block_hashes)
+        # Only tokens that line up one block per hash can be keyed, and only in the
+        # first KV-cache group (a hybrid model's other groups mirror it).
+        keyable = group == 0 and len(event.token_ids) == n * size
+        if event.parent is None:
+            chain: int | None = root_key(event.lora_name)
+        else:
+            chain = self.blocks.get((event.medium, group, event.parent))
+        for i, engine_hash in enumerate(event.block_hashes):
+            if chain is not None and keyable and not (event.opaque and event.opaque[i]):
+                chain = chain_key(chain, event.token_ids[i * size:(i + 1) * size])
+            else:
+                chain = None
+                self.unkeyed += 1
+            key = (event.medium, group, engine_hash)
+            if key in self.blocks:
+                self.forget(key)
+            self.blocks[key] = chain
+            if chain is not None:
+                self.chains[chain] = self.chains.get(chain, 0) + 1
+        while len(self.blocks) > max_blocks:
+            self.forget(next(iter(self.blocks)))
+            self.evicted += 1
+
+    def remove(self, event: Removed) -> None:
+        group = event.group_idx or 0
+        for engine_hash in event.block_hashes:
+            self.forget((event.medium, group, engine_hash))
+
+
+class KVIndex:
+    """The blocks each replica holds, by replica id (any hashable: dpserve uses the
+    replica's URL). Not thread-safe: one owner applies events and matches."""
+
+    def __init__(self, *, max_blocks_per_replica: int = DEFAULT_MAX_BLOCKS) -> None:
+        if max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be at least 1, "
+                             f"got {max_blocks_per_replica}")
+        self._max_blocks = max_blocks_per_replica
+        self._replicas: dict[Hashable, _Replica] = {}
+
+    def apply(self, replica_id: Hashable, seq: int, events: Iterable[Event], *,
+              skipped: int = 0) -> int | None:
+        """Apply the batch numbered `seq` from `replica_id`.
+
+        Returns None when the replica is up to date, or the number of the first
+        batch it is missing (ask the publisher's replay for it) when it is stale."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            replica = self._replicas[replica_id] = _Replica()
+        events = tuple(events)
+        if replica.seq is not None:
+            if seq == 0 and replica.seq > 0:  # the publisher restarted, with it the engine
+                replica.clear()
+                replica.stale = False
+                replica.latest = -1
+            elif seq <= replica.seq:  # seen already (a replay overlapping the stream)
+                return replica.seq + 1 if replica.stale else None
+            elif seq > replica.seq + 1:
+                replica.latest = max(replica.latest, seq)
+                if not any(isinstance(e, Cleared) for e in events):
+                    if not replica.stale:
+                        replica.gaps += 1
+                        replica.stale = True
+                    return replica.seq + 1
+                replica.gaps += 1  # what was missed is wiped by the Cleared in this batch
+                replica.stale = seq < replica.latest
+        for event in events:
+            if isinstance(event, Stored):
+                replica.store(event, self._max_blocks)
+            elif isinstance(event, Removed):
+                replica.remove(event)
+            else:
+                replica.clear()
+        replica.seq = seq
+        if replica.stale and seq >= replica.latest:  # the replay has caught up
+            replica.stale = False
+        replica.applied += len(events)
+        replica.skipped += skipped
+        return seq + 1 if replica.stale else None
+
+    def drop(self, replica_id: Hashable) -> None:
+        """Forget a replica (down, restarted, weights reloaded): it scores 0 until it
+        publishes again."""
+        self._replicas.pop(replica_id, None)
+
+    def match(self, token_ids: Sequence[int], lora: str | None,
+              block_size: int) -> dict[Hashable, int]:
+        """For every known replica, how many of the prompt's leading full blocks it
+        holds under adapter `lora` (None: the base model); 0 for a stale replica."""
+        scores: dict[Hashable, int] = dict.fromkeys(self._replicas, 0)
+        alive = [(rid, r.chains) for rid, r in self._replicas.items()
+                 if not r.stale and r.chains]
+        tokens = tuple(token_ids)
+        chain = root_key(lora)
+        end = block_size
+        blocks = 0
+        while alive and end <= len(tokens):
+            chain = chain_key(chain, tokens[end - block_size:end])
+            alive = [(rid, chains) for rid, chains in alive if chain in chains]
+            blocks += 1
+            for rid, _ in alive:
+                scores[rid] = blocks
+            end += block_size
+        return scores
+
+    def stats(self) -> dict[Hashable, ReplicaStats]:
+        return {rid: ReplicaStats(blocks=len(r.blocks), stale=r.stale, seq=r.seq,
+                                  applied=r.applied, skipped=r.skipped, gaps=r.gaps,
+                                  evicted=r.evicted, unkeyed=r.unkeyed)
+                for rid, r in self._replicas.items()}
