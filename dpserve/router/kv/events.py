@@ -137,7 +137,7 @@ class _Stored(msgspec.Struct, tag="BlockStored"):
     lora_id: int | None = None
     medium: _Short | None = None
     lora_name: _Short | None = None
-    extra_keys: msgspec.Raw | None = None
+    extra_keys: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack's nil, read below
     group_idx: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] | None = None
 
 
@@ -169,7 +169,7 @@ _tag = msgspec.msgpack.Decoder(_Tag)
 # to lora_name) keeps a block findable by its tokens.
 _extra = msgspec.msgpack.Decoder(
     Annotated[list[Annotated[list[Any], msgspec.Meta(max_length=64)] | None],
-              msgspec.Meta(max_length=MAX_HASHES)])
+              msgspec.Meta(max_length=MAX_HASHES)] | None)
 
 
 def decode(frames: list[bytes]) -> Batch:
@@ -229,13 +229,12 @@ def _decode_event(item: msgspec.Raw) -> Event | None:
 
 def _stored(wire: _Stored) -> Stored:
     opaque: tuple[bool, ...] = ()
-    if wire.extra_keys is not None:
-        keys = _decode(_extra, wire.extra_keys, "BlockStored.extra_keys")
-        if keys is not None:
-            if len(keys) != len(wire.block_hashes):
-                raise BadEvent("BlockStored: extra_keys and block_hashes differ in length")
-            lora_only = [wire.lora_name] if wire.lora_name is not None else []
-            opaque = tuple(k is not None and k != [] and k != lora_only for k in keys)
+    keys = _decode(_extra, wire.extra_keys, "BlockStored.extra_keys")
+    if keys is not None:
+        if len(keys) != len(wire.block_hashes):
+            raise BadEvent("BlockStored: extra_keys and block_hashes differ in length")
+        lora_only = [wire.lora_name] if wire.lora_name is not None else []
+        opaque = tuple(k is not None and k != [] and k != lora_only for k in keys)
     return Stored(block_hashes=tuple(wire.block_hashes), parent=wire.parent_block_hash,
                   token_ids=tuple(wire.token_ids), block_size=wire.block_size,
                   lora_name=wire.lora_name, lora_id=wire.lora_id, medium=wire.medium,
