@@ -190,19 +190,23 @@ class KVIndex:
         """For every known replica, how many of the prompt's leading full blocks it
         holds under adapter `lora` (None: the base model); 0 for a stale replica."""
         scores: dict[Hashable, int] = dict.fromkeys(self._replicas, 0)
-        alive = [(rid, r.chains) for rid, r in self._replicas.items()
-                 if not r.stale and r.chains]
         tokens = tuple(token_ids)
-        chain = root_key(lora)
-        end = block_size
-        blocks = 0
-        while alive and end <= len(tokens):
-            chain = chain_key(chain, tokens[end - block_size:end])
-            alive = [(rid, chains) for rid, chains in alive if chain in chains]
-            blocks += 1
-            for rid, _ in alive:
-                scores[rid] = blocks
-            end += block_size
+        full = len(tokens) // block_size
+        keys: list[int] = []  # the prompt's chain keys, hashed only as deep as a replica goes
+        for rid, replica in self._replicas.items():
+            if replica.stale or not replica.chains:
+                continue
+            chains = replica.chains
+            held = 0
+            while held < full:
+                if held == len(keys):
+                    parent = keys[-1] if keys else root_key(lora)
+                    end = (held + 1) * block_size
+                    keys.append(chain_key(parent, tokens[end - block_size:end]))
+                if keys[held] not in chains:
+                    break
+                held += 1
+            scores[rid] = held
         return scores
 
     def stats(self) -> dict[Hashable, ReplicaStats]:
