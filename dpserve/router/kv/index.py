@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from .events import BlockHash, Cleared, Event, Removed, Stored
+from dpserve.router.kv.events import BlockHash, Cleared, Event, Removed, Stored
 
 DEFAULT_MAX_BLOCKS = 1_000_000
 """Blocks remembered per replica: an 80 GiB GPU of a 7B model holds ~30k 16-token
