@@ -30,7 +30,8 @@ ROUTER_FLAGS = ("host", "port", "workers", "policy", "max_body_bytes", "max_atte
                 "otlp_traces_endpoint", "graceful_shutdown_s", "log_level", "api_key_file",
                 "admin_key_file", "admin_port", "admin_host", "insecure_admin",
                 "trusted_proxies", "engine_metrics_need_key", "engine_metrics_cache_s",
-                "local_admin_addresses", "checkpoint_root", "snapshot_dir")
+                "local_admin_addresses", "checkpoint_root", "snapshot_dir", "tokenizer",
+                "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")
 """The router settings `serve` and `router` take as flags; the others (timeouts, queue,
 breaker, ...) come from the environment or the YAML file, and the keys themselves never
 from a flag, where `ps` would show them."""
@@ -54,6 +55,9 @@ FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
     "local_admin_addresses": {"metavar": "ADDR[,ADDR...]"},
     "checkpoint_root": {"metavar": "DIR"},
     "snapshot_dir": {"metavar": "DIR"},
+    "tokenizer": {"metavar": "DIR"},
+    "kv_events_endpoint": {"metavar": "tcp://*:PORT"},
+    "kv_events_replay_endpoint": {"metavar": "tcp://*:PORT"},
     "loras": {"flags": ("--lora",), "action": "append", "metavar": "NAME=DIR"},
     "discover": {"metavar": "dns://NAME:PORT"},
     "deploy_lock": {"metavar": "FILE"},

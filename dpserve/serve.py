@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -192,8 +194,12 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
     started = time.monotonic()
     run_dir = Path(config.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpus = visible_gpus() if config.gpus is None else config.gpus
+    # The engines' KV-event sockets: private to this user, short enough for a socket's
+    # address (a run directory's path may not be), removed when serve ends.
+    kv_dir = (Path(tempfile.mkdtemp(prefix="dpserve-kv-"))
+              if config.router.policy == "kv-aware" else None)
     specs = plan_replicas(config, gpus=gpus, cores=usable_cores(), port=lambda _: free_port(),
-                          run_dir=run_dir)
+                          run_dir=run_dir, kv_dir=kv_dir)
     # What replicas load: the model, then whatever checkpoint is deployed (restarts too).
     deployed = Deployed(weights_for(config.model))
     pool = ReplicaPool([Replica(id=s.id, url=s.url, device=s.device,
@@ -263,6 +269,8 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
         await supervisor.stop()
         if gpu_metrics is not None:
             gpu_metrics.close()
+        if kv_dir is not None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
         signals.close()
         log.info("stopped")
 

@@ -9,6 +9,7 @@ deploy API that names adapters at run time.
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from dpserve.config.schema import POLICIES, RouterConfig, ServeConfig
 from dpserve.config.settings import ConfigError, DiscoveryError, parse_target, require
@@ -51,6 +52,7 @@ def validate_router(c: RouterConfig) -> None:
         value = getattr(c, name)
         require(value > 0, f"router.{name}", "must be > 0", value)
     _validate_lora(c)
+    _validate_kv(c)
     require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
                  "breaker_failures"):
@@ -169,6 +171,26 @@ def _validate_lora(c: RouterConfig) -> None:
     if names or c.max_cpu_loras is not None:
         require(c.enable_lora, "router.enable_lora",
                 "must be set to deploy adapters (--enable-lora)", c.enable_lora)
+
+
+def _validate_kv(c: RouterConfig) -> None:
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(c, name)
+        if value is not None:
+            found = _KV_ENDPOINT.fullmatch(value)
+            require(found is not None and int(found[1]) <= 65535, f"router.{name}",
+                    "must be tcp://*:PORT (each replica's own host is used)", value)
+    require(c.kv_events_replay_endpoint is None or c.kv_events_endpoint is not None,
+            "router.kv_events_replay_endpoint", "needs kv_events_endpoint",
+            c.kv_events_replay_endpoint)
+    require(0 < len(c.kv_events_topic) <= 256, "router.kv_events_topic",
+            "must be 1 to 256 characters", c.kv_events_topic)
+    require(c.policy != "kv-aware" or c.workers == 1, "router.workers",
+            "must be 1 with policy kv-aware (each worker would follow every replica's "
+            "events; not supported yet)", c.workers)
+
+
+_KV_ENDPOINT = re.compile(r"tcp://\*:([1-9][0-9]{0,4})")
 
 
 def validate_serve(c: ServeConfig) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 PolicyName = Literal["least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
-                     "engine-load"]
+                     "engine-load", "kv-aware"]
 POLICIES: tuple[PolicyName, ...] = typing.get_args(PolicyName)
 """The replica selection policies `policy` may name (`dpserve.router.routing.policies`)."""
 
@@ -33,8 +33,10 @@ class RouterConfig:
     policy: PolicyName = "prefix-affinity"
     """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
-    `round-robin`, `session-affinity` (X-Session-Id or `user`) or `engine-load` (the
-    engines' own queue and KV-cache reports). Why `prefix-affinity` unless set:
+    `round-robin`, `session-affinity` (X-Session-Id or `user`), `engine-load` (the
+    engines' own queue and KV-cache reports) or `kv-aware` (the prefix each engine
+    reports it caches, by its KV-cache events, against its own load; prefix affinity
+    where events are not published; docs/serving.md). Why `prefix-affinity` unless set:
     benchmarks/routing/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
@@ -68,6 +70,18 @@ class RouterConfig:
     is under `load_factor` x the fleet average (bounded loads). Default: 3 for
     `prefix-affinity` (a prefix's cache is worth some queueing), 2 for `session-affinity`,
     1.5 for the adapter preference of `lora_affinity`."""
+    tokenizer: str | None = None
+    """`kv-aware`: model directory whose tokenizer and chat template turn each prompt into
+    the token ids its engine will see (`sim`: the simulator's). Default for `dpserve
+    serve`: the served model; `dpserve router` without it routes by prefix affinity."""
+    kv_events_endpoint: str | None = None
+    """`kv-aware`: where every replica publishes its KV events, `tcp://*:PORT`, reached on
+    each replica's own host; unset: each replica's `GET /kv_event_sources` says."""
+    kv_events_replay_endpoint: str | None = None
+    """With `kv_events_endpoint`: where every replica replays missed event batches,
+    `tcp://*:PORT`; unset: a gap leaves the replica unscored until its cache resets."""
+    kv_events_topic: str = "kv"
+    """With `kv_events_endpoint`: the topic the replicas publish their events on."""
     engine_scrape_interval_s: float = 1.0
     """`engine-load` and `lora_affinity`: period of reading every replica's /metrics
     (queue, KV cache, the adapters it runs)."""

@@ -6,6 +6,7 @@ ports) so the plan can be tested without starting anything.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -123,6 +124,23 @@ def tracing_args(endpoint: str | None, vllm_args: tuple[str, ...] | list[str]
     return ("--otlp-traces-endpoint", endpoint)
 
 
+def kv_events_args(kv_dir: Path | None, replica_id: str,
+                   vllm_args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """vLLM's KV-event publishing, on Unix sockets in `kv_dir` (None: off), unless
+    given to vLLM already.
+
+    Unix sockets, not TCP: vLLM binds its publisher only on a wildcard address (a named
+    host makes it connect out instead), and the events carry every prompt's token ids,
+    which no port beyond this machine may offer. The replay socket lets the router
+    fetch batches it missed."""
+    if kv_dir is None or any(a.startswith("--kv-events-config") for a in vllm_args):
+        return ()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": f"ipc://{kv_dir}/{replica_id}.pub",
+              "replay_endpoint": f"ipc://{kv_dir}/{replica_id}.replay"}
+    return ("--kv-events-config", json.dumps(config))
+
+
 def plan_replicas(
     cfg: ServeConfig,
     *,
@@ -131,10 +149,12 @@ def plan_replicas(
     port: Callable[[int], int],
     run_dir: Path,
     python: str = sys.executable,
+    kv_dir: Path | None = None,
 ) -> list[ReplicaSpec]:
     """One spec per replica: GPUs if any are visible (or named), else CPU slices.
 
     `port(i)` gives replica i's port (free ports in production, fixed ones in tests).
+    `kv_dir`: a private directory for the engines' KV-event sockets (None: no events).
     """
     served_name = cfg.served_model_name or cfg.model
     # A local model directory is passed absolute: replica logs then say exactly what loaded.
@@ -177,6 +197,7 @@ def plan_replicas(
             "--port", str(replica_port),
             *lora_args(cfg.router),
             *tracing_args(cfg.router.otlp_traces_endpoint, cfg.vllm_args),
+            *kv_events_args(kv_dir, f"r{i}", cfg.vllm_args),
             *cfg.vllm_args,
         )
         env = {

@@ -61,6 +61,14 @@ def test_env_values_are_parsed_to_the_declared_types():
      "router.loras: must not name an adapter twice"),
     ({"model": "m", "vllm_args": ["--max-lora-rank=64"]}, {},
      "use --enable-lora, --max-loras, --max-lora-rank"),
+    ({"model": "m"}, {"DPSERVE_KV_EVENTS_ENDPOINT": "tcp://10.0.0.1:5557"},
+     "router.kv_events_endpoint: must be tcp://*:PORT"),
+    ({"model": "m"}, {"DPSERVE_KV_EVENTS_ENDPOINT": "tcp://*:70000"},
+     "router.kv_events_endpoint: must be tcp://*:PORT"),
+    ({"model": "m"}, {"DPSERVE_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5558"},
+     "router.kv_events_replay_endpoint: needs kv_events_endpoint"),
+    ({"model": "m", "policy": "kv-aware", "workers": 2}, {},
+     "router.workers: must be 1 with policy kv-aware"),
 ])
 def test_invalid_settings_are_refused_naming_the_setting(flags, env, message):
     with pytest.raises(ConfigError) as exc:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -88,3 +89,26 @@ def test_split_cores_shares_cores_when_there_are_more_replicas_than_cores():
 def test_visible_gpus_follow_cuda_visible_devices():
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_with_a_kv_directory_each_engine_publishes_its_events_on_its_own_unix_sockets():
+    specs = plan_replicas(ServeConfig(model="m"), gpus=[], cores=[0, 1],
+                          port=lambda i: 9000 + i, run_dir=Path("/tmp/run"), python="py",
+                          kv_dir=Path("/tmp/dpserve-kv-x"))
+    configs = []
+    for spec in specs:
+        argv = list(spec.argv)
+        configs.append(json.loads(argv[argv.index("--kv-events-config") + 1]))
+    assert [(c["endpoint"], c["replay_endpoint"]) for c in configs] == [
+        ("ipc:///tmp/dpserve-kv-x/r0.pub", "ipc:///tmp/dpserve-kv-x/r0.replay"),
+        ("ipc:///tmp/dpserve-kv-x/r1.pub", "ipc:///tmp/dpserve-kv-x/r1.replay")]
+    assert all(c["enable_kv_cache_events"] and c["publisher"] == "zmq" for c in configs)
+
+
+def test_without_a_kv_directory_or_with_the_users_own_config_none_is_added():
+    assert all("--kv-events-config" not in s.argv for s in _plan(ServeConfig(model="m")))
+    own = ["--kv-events-config", '{"enable_kv_cache_events": false}']
+    specs = plan_replicas(ServeConfig(model="m", vllm_args=own), gpus=[], cores=[0, 1],
+                          port=lambda i: 9000 + i, run_dir=Path("/tmp/run"), python="py",
+                          kv_dir=Path("/tmp/k"))
+    assert all(list(s.argv).count("--kv-events-config") == 1 for s in specs)

@@ -15,8 +15,8 @@ class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
     __slots__ = ("adapter", "attempts", "body", "client_model", "first_byte_s", "headers",
-                 "info", "line", "migration", "model", "not_migratable", "queue_wait_s",
-                 "replied", "request_id", "span", "start", "stream", "trace")
+                 "info", "line", "migration", "model", "not_migratable", "payload",
+                 "queue_wait_s", "replied", "request_id", "span", "start", "stream", "trace")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
         self.request_id = request_id
@@ -25,6 +25,8 @@ class Exchange:
         """`time.perf_counter()` when the request arrived."""
         self.body = b""
         self.info = RequestInfo(route="")
+        self.payload: dict[str, Any] | None = None
+        """The parsed body, kept only while the policy needs its token ids."""
         self.stream = False
         self.line = b""
         """The upstream request line less its version: `POST /v1/completions?query`."""

@@ -61,6 +61,7 @@ from dpserve.router.migration.replay import StreamState
 from dpserve.router.migration.tracked import Stream
 from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
 from dpserve.router.routing.policies import RequestInfo
+from dpserve.router.routing.policies.base import Tokenize
 from dpserve.router.telemetry.metrics import RouterMetrics, status_class
 from dpserve.router.telemetry.tracing import Tracing
 from dpserve.router.upstream.client import (
@@ -96,8 +97,11 @@ class ProxyEndpoint:
         method: str = "POST",
         adapters: Adapters | None = None,
         tracing: Tracing | None = None,
+        tokenize: Tokenize | None = None,
     ) -> None:
         self.route = route
+        self._tokenize = tokenize if "tokens" in keys else None
+        """The prompt's token ids for the policy (`kv-aware`), computed off the loop."""
         self._tracing = tracing
         self.method = method
         self._bodies = bodies
@@ -160,6 +164,11 @@ class ProxyEndpoint:
                 ex.body = await read_body(scope, receive, hold, allowed=self._has_body,
                                           limit=self._config.max_body_bytes)
                 self._prepare(ex, scope)
+                if ex.payload is not None and self._tokenize is not None:
+                    tokens = await self._tokenize(self.route, ex.payload)
+                    ex.payload = None
+                    if tokens:
+                        ex.info = dataclasses.replace(ex.info, tokens=tuple(tokens))
                 watch = DisconnectWatch(receive, asyncio.current_task(), ex.replied)
                 if ex.adapter is None:
                     served_by, status = await self._forward(ex)
@@ -207,6 +216,8 @@ class ProxyEndpoint:
                                    known_models=frozenset() if adapters else known,
                                    keys=self._keys, prefix_chars=self._config.prefix_chars)
             ex.info, ex.stream = parsed.info, parsed.stream
+            if self._tokenize is not None:
+                ex.payload = parsed.payload
             if adapters:
                 self._resolve_adapter(ex, parsed.payload)
                 if ex.adapter is None:

@@ -72,8 +72,8 @@ class ReplicaStats:
 
 
 class _Replica:
-    __slots__ = ("applied", "blocks", "chains", "evicted", "gaps", "latest", "seq",
-                 "skipped", "stale", "unkeyed")
+    __slots__ = ("applied", "block_size", "blocks", "chains", "evicted", "gaps", "latest",
+                 "seq", "skipped", "stale", "unkeyed")
 
     def __init__(self) -> None:
         self.blocks: OrderedDict[_BlockKey, int | None] = OrderedDict()
@@ -82,6 +82,8 @@ class _Replica:
         self.latest = -1  # the highest batch number seen, applied or not
         self.stale = False
         self.applied = self.skipped = self.gaps = self.evicted = self.unkeyed = 0
+        self.block_size: int | None = None
+        """Of the keyed blocks it last stored: the size its chain keys are cut at."""
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -99,6 +101,8 @@ class _Replica:
     def store(self, event: Stored, max_blocks: int) -> None:
         group = event.group_idx or 0
         size = event.block_size
+        if group == 0:
+            self.block_size = size
         n = len(event.block_hashes)
         # Only tokens that line up one block per hash can be keyed, and only in the
         # first KV-cache group (a hybrid model's other groups mirror it).
@@ -189,11 +193,16 @@ class KVIndex:
               block_size: int) -> dict[Hashable, int]:
         """For every known replica, how many of the prompt's leading full blocks it
         holds under adapter `lora` (None: the base model); 0 for a stale replica."""
-        scores: dict[Hashable, int] = dict.fromkeys(self._replicas, 0)
+        return self._match(token_ids, lora, block_size, list(self._replicas))
+
+    def _match(self, token_ids: Sequence[int], lora: str | None, block_size: int,
+               rids: list[Hashable]) -> dict[Hashable, int]:
+        scores: dict[Hashable, int] = dict.fromkeys(rids, 0)
         tokens = tuple(token_ids)
         full = len(tokens) // block_size
         keys: list[int] = []  # the prompt's chain keys, hashed only as deep as a replica goes
-        for rid, replica in self._replicas.items():
+        for rid in rids:
+            replica = self._replicas[rid]
             if replica.stale or not replica.chains:
                 continue
             chains = replica.chains
@@ -208,6 +217,26 @@ class KVIndex:
                 held += 1
             scores[rid] = held
         return scores
+
+    def cached_tokens(self, token_ids: Sequence[int], lora: str | None
+                      ) -> dict[Hashable, int]:
+        """For every replica whose events the index is up to date with, how many of the
+        prompt's leading tokens it holds under adapter `lora`, in whole blocks of its
+        own block size (0: none, or nothing keyed stored yet). A stale replica is left
+        out: what it holds is not known."""
+        by_size: dict[int, list[Hashable]] = {}
+        found: dict[Hashable, int] = {}
+        for rid, replica in self._replicas.items():
+            if replica.stale:
+                continue
+            found[rid] = 0
+            if replica.block_size is not None:
+                by_size.setdefault(replica.block_size, []).append(rid)
+        for size, rids in by_size.items():
+            blocks = self._match(token_ids, lora, size, rids)
+            for rid in rids:
+                found[rid] = blocks[rid] * size
+        return found
 
     def stats(self) -> dict[Hashable, ReplicaStats]:
         return {rid: ReplicaStats(blocks=len(r.blocks), stale=r.stale, seq=r.seq,

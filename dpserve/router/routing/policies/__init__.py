@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable
 
 from dpserve.config import POLICIES
+from dpserve.router.kv.index import KVIndex
 from dpserve.router.routing.policies.adapter_affinity import ADAPTER_LOAD_FACTOR, AdapterAffinity
 from dpserve.router.routing.policies.base import Journal, Policy, RequestInfo, Shared
 from dpserve.router.routing.policies.consistent_hash import DEFAULT_LOAD_FACTOR
 from dpserve.router.routing.policies.engine_load import EngineLoadPolicy
 from dpserve.router.routing.policies.keys import DEFAULT_PREFIX_CHARS
+from dpserve.router.routing.policies.kv_aware import KV_LOAD_FACTOR, KVAware
 from dpserve.router.routing.policies.least_outstanding import LeastOutstanding
 from dpserve.router.routing.policies.prefix_affinity import PREFIX_LOAD_FACTOR, PrefixAffinity
 from dpserve.router.routing.policies.round_robin import RoundRobin
@@ -27,6 +29,7 @@ __all__ = [
     "AdapterAffinity",
     "EngineLoadPolicy",
     "Journal",
+    "KVAware",
     "LeastOutstanding",
     "Policy",
     "PrefixAffinity",
@@ -57,13 +60,15 @@ def make_policy(
     load_factor: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     adapter_slots: int | None = None,
+    kv_index: KVIndex | None = None,
 ) -> Policy:
     """Build a policy by its configuration name; options a policy does not use are ignored.
     `load_factor` None: each affinity policy's own default. `adapter_slots` (the
     replicas' `--max-loras`): requests for a LoRA adapter prefer replicas where it is
-    active (:class:`AdapterAffinity`), then the named policy chooses among those."""
+    active (:class:`AdapterAffinity`), then the named policy chooses among those.
+    `kv_index`: what `kv-aware` reads (the replicas' KV events); a fresh one if None."""
     policy = _named_policy(name, rng=rng, prefix_chars=prefix_chars,
-                           load_factor=load_factor, clock=clock)
+                           load_factor=load_factor, clock=clock, kv_index=kv_index)
     if adapter_slots is None:
         return policy
     return AdapterAffinity(policy, max_loras=adapter_slots, clock=clock,
@@ -71,7 +76,8 @@ def make_policy(
 
 
 def _named_policy(name: str, *, rng: random.Random | None, prefix_chars: int,
-                  load_factor: float | None, clock: Callable[[], float]) -> Policy:
+                  load_factor: float | None, clock: Callable[[], float],
+                  kv_index: KVIndex | None = None) -> Policy:
     if name == "least-outstanding":
         return LeastOutstanding(rng=rng)
     if name == "round-robin":
@@ -83,4 +89,9 @@ def _named_policy(name: str, *, rng: random.Random | None, prefix_chars: int,
                               load_factor=load_factor or PREFIX_LOAD_FACTOR)
     if name == "engine-load":
         return EngineLoadPolicy(clock=clock, rng=rng)
+    if name == "kv-aware":
+        fallback = PrefixAffinity(prefix_chars=prefix_chars, clock=clock,
+                                  load_factor=load_factor or PREFIX_LOAD_FACTOR)
+        return KVAware(kv_index if kv_index is not None else KVIndex(), fallback=fallback,
+                       clock=clock, load_factor=load_factor or KV_LOAD_FACTOR)
     raise ValueError(f"unknown policy {name!r}")

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,17 +19,26 @@ class RequestInfo:
     prefix: str | None = None
     """Leading characters of the prompt or rendered messages, for prefix affinity;
     see :func:`dpserve.router.routing.policies.keys.prompt_prefix`."""
+    tokens: tuple[int, ...] | None = None
+    """The prompt's token ids as the engine will see them (chat template applied), for
+    routing on KV events; None when not computed or not known exactly."""
     adapter: str | None = None
     """The engine name of the LoRA adapter version the request runs on
     (`NAME@VERSION`); only replicas that have it loaded are candidates."""
 
 
+Tokenize = Callable[[str, dict[str, Any]], Awaitable[Sequence[int] | None]]
+"""`(route, parsed body) -> the prompt's token ids as the engine will see them`, or None
+when they cannot be known exactly; never raises, never blocks the event loop
+(`dpserve.router.kv.tokens`)."""
+
+
 class Policy(Protocol):
     name: str
     needs: frozenset[str]
-    """What the policy reads beyond the route and model: `session_id` and `prefix` (fields
-    of RequestInfo, computed for a request only when some policy needs them) and
-    `engine_load` (the engines' own load, scraped from their /metrics)."""
+    """What the policy reads beyond the route and model: `session_id`, `prefix` and
+    `tokens` (fields of RequestInfo, computed for a request only when some policy needs
+    them) and `engine_load` (the engines' own load, scraped from their /metrics)."""
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
         """Pick one of `candidates` (all able to serve), or None if there are none."""

@@ -1,0 +1,119 @@
+"""`/metrics` for routing on KV events, read at scrape time: what the index holds of
+each replica, how its event feed is doing, and what the policy decided.
+
+Labels are replica ids and fixed words only: bounded by the fleet's size, and
+nothing of any request's content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from dpserve.router.kv.feeds import KVEventFeeds
+from dpserve.router.kv.index import KVIndex
+from dpserve.router.routing.policies.kv_aware import CACHED_BUCKETS, KVRoutingStats
+
+
+class KVCollector(Collector):
+    """The KV-event series; `feed_stats` gives each replica's subscriber counters."""
+
+    def __init__(self, index: KVIndex, feeds: KVEventFeeds, routing: KVRoutingStats,
+                 feed_stats: Callable[[], dict[str, Any]]) -> None:
+        self._index = index
+        self._feeds = feeds
+        self._routing = routing
+        self._feed_stats = feed_stats
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self._index_series()
+        yield from self._feed_series()
+        yield from self._routing_series()
+
+    def _index_series(self) -> Iterable[Metric]:
+        blocks = GaugeMetricFamily("dpserve_kv_index_blocks",
+                                   "KV-cache blocks the router knows each replica holds.",
+                                   labels=["replica"])
+        stale = GaugeMetricFamily("dpserve_kv_index_stale",
+                                  "1 while a replica missed event batches: it scores no "
+                                  "cached prefix until replayed or cleared.",
+                                  labels=["replica"])
+        gaps = CounterMetricFamily("dpserve_kv_event_gaps",
+                                   "Times a replica's event batches arrived with numbers "
+                                   "missing.", labels=["replica"])
+        for rid, st in sorted(self._index.stats().items(), key=lambda kv: str(kv[0])):
+            blocks.add_metric([str(rid)], st.blocks)
+            stale.add_metric([str(rid)], 1.0 if st.stale else 0.0)
+            gaps.add_metric([str(rid)], st.gaps)
+        return [blocks, stale, gaps]
+
+    def _feed_series(self) -> Iterable[Metric]:
+        following = GaugeMetricFamily("dpserve_kv_events_following",
+                                      "1 for a replica whose KV events the router follows, "
+                                      "0 for one routed by the fallback policy.",
+                                      labels=["replica"])
+        for rid, status in sorted(self._feeds.status.items()):
+            following.add_metric([rid], 1.0 if status == "following" else 0.0)
+        yield following
+        stats = self._feed_stats()
+        counters = {
+            "batches": ("dpserve_kv_event_batches", "Event batches applied."),
+            "replays": ("dpserve_kv_event_replays",
+                        "Missed batches fetched from the replica's replay socket."),
+            "resyncs": ("dpserve_kv_event_resyncs",
+                        "Gaps the replay could not fill: the replica was unscored until "
+                        "its cache reset."),
+            "malformed": ("dpserve_kv_event_malformed",
+                          "Event messages that could not be decoded, skipped."),
+        }
+        for attr, (name, doc) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=["replica"])
+            for rid, st in sorted(stats.items()):
+                value = getattr(st, attr, None)
+                if value is not None:
+                    family.add_metric([rid], float(value))
+            yield family
+        lag = GaugeMetricFamily("dpserve_kv_event_lag_seconds",
+                                "Seconds since the replica's last event batch arrived.",
+                                labels=["replica"])
+        for rid, st in sorted(stats.items()):
+            value = getattr(st, "lag_s", None)
+            if value is not None:
+                lag.add_metric([rid], float(value))
+        yield lag
+
+    def _routing_series(self) -> Iterable[Metric]:
+        r = self._routing
+        decisions = CounterMetricFamily(
+            "dpserve_kv_routing_decisions",
+            "Requests placed by `kv-aware`: on the engines' KV events, or by the fallback "
+            "policy and why (no_tokens: the prompt's token ids are not known exactly; "
+            "no_events: no candidate's events are known).", labels=["basis"])
+        decisions.add_metric(["events"], r.on_events)
+        for reason, n in sorted((r.fallbacks or {}).items()):
+            decisions.add_metric([reason], n)
+        tokens = CounterMetricFamily(
+            "dpserve_kv_routed_tokens",
+            "Prompt tokens of the requests placed on events, and of those the tokens the "
+            "chosen replica held (their ratio: the hit rate the router expects).",
+            labels=["kind"])
+        tokens.add_metric(["prompt"], r.prompt_tokens)
+        tokens.add_metric(["cached"], r.cached_tokens)
+        counts = r.cached_histogram or [0] * (len(CACHED_BUCKETS) + 1)
+        buckets, total = [], 0
+        for bound, n in zip([*map(str, CACHED_BUCKETS), "+Inf"], counts, strict=True):
+            total += n
+            buckets.append((bound if bound == "+Inf" else f"{float(bound):g}", total))
+        histogram = HistogramMetricFamily(
+            "dpserve_kv_cached_prefix_tokens",
+            "Per request placed on events: the chosen replica's cached-prefix length.",
+            buckets=buckets, sum_value=r.cached_tokens)
+        return [decisions, tokens, histogram]

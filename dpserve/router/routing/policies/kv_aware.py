@@ -1,0 +1,147 @@
+"""Routing on what the engines report they cache: their KV-cache events, kept in a
+:class:`~dpserve.router.kv.index.KVIndex`, and their own load.
+
+Each candidate's cost, in units of one request's work::
+
+    cost = (1 - cached(r) / prompt) + load_weight * queue(r)
+
+`cached(r)` is how many of the prompt's leading tokens replica `r` holds, in whole
+blocks, by its own events; `prompt` the prompt's length in tokens; `queue(r)` its
+requests running and waiting as its engine last reported them, plus what this
+router sent it (or saw finish) since (:func:`engine_queue`). Lowest cost wins; ties
+(nothing cached anywhere, equal queues) go to the replica sent the least lately
+(:class:`~dpserve.router.routing.policies.recent_work.RecentWork`), which spreads
+new prefixes as evenly as round robin.
+
+Both terms are the same for every router: the events come from the engines, and the
+queue is the engines' own count, seen by all routers alike. So two routers behind one
+address send a prefix where it is cached, not each to its own guess (what
+:class:`~dpserve.router.routing.policies.prefix_affinity.PrefixAffinity` must do).
+`load_weight` prices a queued request against a prefill: at 0.5 a replica holding a
+whole prompt is preferred while it has fewer than two more requests queued than one
+holding none. Like prefix affinity, replicas at the bounded-load cap (`load_factor` x
+the fleet's average in flight) are left out first, so a stuck replica, whose in-flight
+count climbs, is not sent more because of its cache.
+
+When the events cannot decide, the request is placed by `fallback` (prefix affinity
+by default) and the reason is counted: the prompt has no token ids (several prompts,
+a body the tokenizer could not render exactly, tokenization off), or no candidate is
+known to the index (no replica publishes events, all are stale after a gap). `stats`
+says how often each happened: the fallback is visible, never silent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dpserve.router.fleet.pool import Replica
+from dpserve.router.kv.index import KVIndex
+from dpserve.router.routing.policies.base import Policy, RequestInfo
+from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
+
+KV_LOAD_WEIGHT = 0.5
+"""A queued request costs half a full prefill: a replica with the whole prompt cached
+is preferred while at most one more request is queued on it."""
+KV_LOAD_FACTOR = 3.0
+"""The bounded-load cap, as prefix affinity's (benchmarks/routing/README.md)."""
+ENGINE_REPORT_MAX_AGE_S = 10.0
+"""An engine report older than this is not believed: the router's own count is used."""
+
+FALLBACK_REASONS = ("no_tokens", "no_events")
+CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
+"""Upper bounds (tokens) of the cached-prefix histogram; one more bucket holds the rest."""
+
+
+def engine_queue(replica: Replica, now: float, max_age_s: float = ENGINE_REPORT_MAX_AGE_S
+                 ) -> float:
+    """Requests queued on `replica` (running and waiting): its engine's last report
+    plus the router's in-flight change since, never below the router's own in-flight
+    count; that count alone when the engine never reported or its report is stale."""
+    load = replica.engine
+    at = replica.engine_scraped_at
+    if load is None or at is None or now - at > max_age_s or load.num_requests is None:
+        return float(replica.in_flight)
+    since = replica.in_flight - replica.engine_in_flight_at_scrape
+    return float(max(load.num_requests + since, replica.in_flight))
+
+
+@dataclass(slots=True)
+class KVRoutingStats:
+    """What the policy did, for `/metrics` (counters since start)."""
+
+    on_events: int = 0
+    """Requests placed by cached prefix and load."""
+    fallbacks: dict[str, int] | None = None
+    """Requests placed by the fallback, by reason (`FALLBACK_REASONS`)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the requests placed on events."""
+    cached_tokens: int = 0
+    """Of those, tokens the chosen replica held: the hit rate the router expects."""
+    cached_histogram: list[int] | None = None
+    """Decisions on events by the chosen replica's cached-prefix length: one count per
+    bucket of CACHED_BUCKETS (at most that many tokens), then one for longer ones."""
+    last_cached_tokens: int = 0
+    """The cached-prefix length of the latest decision on events."""
+
+
+class KVAware:
+    """Replicas scored by exact cached-prefix length (KV events) and shared load."""
+
+    name = "kv-aware"
+
+    def __init__(self, index: KVIndex, *, fallback: Policy,
+                 load_weight: float = KV_LOAD_WEIGHT, load_factor: float = KV_LOAD_FACTOR,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1.0, got {load_factor}")
+        self.index = index
+        self.fallback = fallback
+        self.load_weight = load_weight
+        self.load_factor = load_factor
+        self._clock = clock
+        self._spread = RecentWork(clock=clock)
+        self.needs: frozenset[str] = frozenset({"tokens", "engine_load"}) | fallback.needs
+        self.stats = KVRoutingStats(fallbacks=dict.fromkeys(FALLBACK_REASONS, 0),
+                                    cached_histogram=[0] * (len(CACHED_BUCKETS) + 1))
+
+    def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
+        if not candidates:
+            return None
+        tokens = request.tokens
+        if not tokens:
+            return self._fall_back(candidates, request, "no_tokens")
+        held = self.index.cached_tokens(tokens, request.adapter)
+        if not any(r.id in held for r in candidates):
+            return self._fall_back(candidates, request, "no_events")
+        open_ = under_cap(candidates, self.load_factor)
+        now = self._clock()
+        prompt = len(tokens)
+        costs = {r.id: (1.0 - min(held.get(r.id, 0), prompt) / prompt)
+                 + self.load_weight * engine_queue(r, now) for r in open_}
+        best = min(costs.values())
+        tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
+        chosen = self._spread.least(tied) if len(tied) > 1 else tied[0]
+        self._spread.charge(chosen)
+        cached = min(held.get(chosen.id, 0), prompt)
+        stats = self.stats
+        stats.on_events += 1
+        stats.prompt_tokens += prompt
+        stats.cached_tokens += cached
+        stats.last_cached_tokens = cached
+        assert stats.cached_histogram is not None
+        stats.cached_histogram[bisect.bisect_left(CACHED_BUCKETS, cached)] += 1
+        return chosen
+
+    def _fall_back(self, candidates: Sequence[Replica], request: RequestInfo,
+                   reason: str) -> Replica | None:
+        assert self.stats.fallbacks is not None
+        self.stats.fallbacks[reason] += 1
+        chosen = self.fallback.select(candidates, request)
+        if chosen is not None:
+            self._spread.charge(chosen)
+        return chosen
