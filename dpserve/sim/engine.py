@@ -15,7 +15,8 @@ Each engine step, like vLLM v1's scheduler:
    * decoding sequences + decode_per_context_token_s * their context`` seconds
    (times the jitter factor and the fault slowdown);
 4. ends: every sequence whose known tokens are all computed emits one token;
-   those that reach `max_tokens` finish and release their blocks.
+   those that reach `max_tokens` finish and release their blocks. Blocks whose
+   tokens (prompt or output) became all computed are named in the prefix cache.
 
 Timing: step k ends at a deadline on a monotonic clock, the previous deadline
 plus the step's time (or the first request's arrival when the engine was
@@ -37,7 +38,8 @@ from collections.abc import Sequence
 
 from dpserve.sim.config import SimConfig, validate
 from dpserve.sim.metrics import EngineStats
-from dpserve.sim.prefix_cache import BlockPool, block_hashes
+from dpserve.sim.prefix_cache import ROOT_HASH, BlockPool, block_hashes
+from dpserve.sim.tokenizer import output_ids
 
 _now = time.monotonic
 """The engine's clock: asyncio's own, and not uvloop's, which counts whole milliseconds."""
@@ -58,11 +60,14 @@ class SimSequence:
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, arrival: float,
                  config: SimConfig) -> None:
+        self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.arrival = arrival
         self.hashes = (block_hashes(prompt_ids, config.block_size)
                        if config.enable_prefix_caching else [])
+        """Hashes of the full blocks known so far: the prompt's, then the output's as
+        `hash_blocks` adds them."""
         self.output_count = 0
         self.num_computed = 0
         """Tokens whose KV is computed (cached ones included)."""
@@ -82,6 +87,21 @@ class SimSequence:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.output_count
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of tokens `start .. end-1`, prompt and output alike."""
+        split = min(max(start, self.prompt_len), end)
+        return [*self.prompt_ids[start:split],
+                *output_ids(self.prompt_ids, split - self.prompt_len, end - split)]
+
+    def hash_blocks(self, n: int, block_size: int) -> None:
+        """Extend `hashes` to the first `n` full blocks, into the output (whose tokens
+        must be known that far): vLLM caches generated blocks as it does prompt ones."""
+        done = len(self.hashes)
+        if n > done:
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            self.hashes += block_hashes(self.token_ids(done * block_size, n * block_size),
+                                        block_size, parent)
 
     def _notify(self) -> None:
         if (self._waiter is not None and not self._waiter.done()
@@ -247,7 +267,9 @@ class Engine:
             if seq.finished:  # aborted while the step ran
                 continue
             seq.num_computed += n
-            full = min(seq.num_computed // bs, len(seq.hashes))
+            full = seq.num_computed // bs
+            if self.config.enable_prefix_caching:
+                seq.hash_blocks(full, bs)
             for h in seq.hashes[seq.named_upto:full]:
                 if self.pool.name(h):
                     seq.held.append(h)

@@ -1,9 +1,10 @@
 """KV blocks and the prefix cache, accounted the way vLLM's block pool does.
 
 The KV cache is `num_blocks` blocks of `block_size` tokens. A running sequence
-holds the blocks its tokens occupy. A full prompt block is named by a chained
-hash, ``hash((parent_hash, block_token_ids))``, so equal hashes mean equal
-prefixes up to and including that block. When a sequence ends, its named
+holds the blocks its tokens occupy. A full block, of prompt or of generated
+tokens, is named by a chained hash, ``hash((parent_hash, block_token_ids))``,
+once its tokens' KV is computed, so equal hashes mean equal prefixes up to and
+including that block. When a sequence ends, its named
 blocks are not wiped: they become *evictable*, keep their hash, and serve later
 requests that start with the same tokens. New blocks are taken first from
 never-named free blocks, then from evictable ones, least recently used first;
@@ -24,10 +25,11 @@ ROOT_HASH = 0x5151_5151
 """Parent hash of a prompt's first block."""
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (a trailing partial block has none)."""
+def block_hashes(token_ids: Sequence[int], block_size: int,
+                 parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (a trailing partial block has none),
+    the first one the child of `parent` (the block before them, or none)."""
     hashes: list[int] = []
-    parent = ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
