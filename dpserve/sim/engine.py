@@ -34,8 +34,9 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from dpserve.sim import kv_events
 from dpserve.sim.config import SimConfig, validate
 from dpserve.sim.metrics import EngineStats
 from dpserve.sim.prefix_cache import ROOT_HASH, BlockPool, block_hashes
@@ -122,10 +123,16 @@ class Engine:
     """The scheduler and its clock. `run()` is the one task; `add`/`abort` are called
     from request handlers on the same loop."""
 
-    def __init__(self, config: SimConfig, *, seed: int | None = None) -> None:
+    def __init__(self, config: SimConfig, *, seed: int | None = None,
+                 on_kv_events: Callable[[list[kv_events.Event]], None] | None = None) -> None:
+        """`on_kv_events(events)` is called at the end of every step that named or
+        evicted blocks, with those changes in order, as vLLM's scheduler publishes."""
         validate(config)
         self.config = config
-        self.pool = BlockPool(config.num_blocks)
+        self._on_kv_events = on_kv_events
+        self._kv_events: list[kv_events.Event] = []
+        self.pool = BlockPool(config.num_blocks,
+                              on_evict=self._evicted if on_kv_events is not None else None)
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.stats = EngineStats()
@@ -189,6 +196,9 @@ class Engine:
             self.stats.timing_error.observe(abs(late))
             clock = deadline if late < RESYNC_S else _now()
             self._finish_step(batch, clock)
+            if self._kv_events and self._on_kv_events is not None:
+                events, self._kv_events = self._kv_events, []
+                self._on_kv_events(events)
 
     def _schedule(self) -> tuple[list[tuple[SimSequence, int]], float]:
         """Pick this step's work (steps 1 and 2 of the module docstring) and its time."""
@@ -270,10 +280,13 @@ class Engine:
             full = seq.num_computed // bs
             if self.config.enable_prefix_caching:
                 seq.hash_blocks(full, bs)
-            for h in seq.hashes[seq.named_upto:full]:
-                if self.pool.name(h):
-                    seq.held.append(h)
-                    seq.unnamed -= 1
+            else:
+                full = 0
+            named = [j for j in range(seq.named_upto, full) if self.pool.name(seq.hashes[j])]
+            seq.held += [seq.hashes[j] for j in named]
+            seq.unnamed -= len(named)
+            if named and self._on_kv_events is not None:
+                self._stored(seq, named)
             seq.named_upto = max(seq.named_upto, full)
             if seq.num_computed < seq.num_tokens:
                 continue  # prefill goes on next step
@@ -293,6 +306,23 @@ class Engine:
             self.stats.requests_finished += 1
             self.stats.e2e.observe(now - seq.arrival)
             seq._notify()
+
+    def _stored(self, seq: SimSequence, blocks: list[int]) -> None:
+        """Record `BlockStored` for the newly named blocks (indices into `seq.hashes`):
+        one event per run of consecutive blocks, each run the child of the block before
+        it. A block another sequence had named already is not stored again."""
+        bs = self.config.block_size
+        start = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                first, end = blocks[start], blocks[i - 1] + 1
+                self._kv_events.append(kv_events.stored(
+                    seq.hashes[first:end], seq.hashes[first - 1] if first else None,
+                    seq.token_ids(first * bs, end * bs), bs))
+                start = i
+
+    def _evicted(self, h: int) -> None:
+        self._kv_events.append(kv_events.removed(h))
 
     def _preempt(self, seq: SimSequence) -> None:
         """Free `seq`'s blocks and queue it first, to recompute what it had."""

@@ -19,7 +19,7 @@ tuples of ints, which is the same in every process (no hash randomization).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 ROOT_HASH = 0x5151_5151
 """Parent hash of a prompt's first block."""
@@ -39,8 +39,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
 class BlockPool:
     """Free, held and cached KV blocks. Every method is O(blocks touched)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: Callable[[int], None] | None = None) -> None:
+        """`on_evict(hash)` is called for each block evicted (its hash forgotten)."""
         self.num_blocks = num_blocks
+        self._on_evict = on_evict
         self._free_unnamed = num_blocks
         self._refs: dict[int, int] = {}
         """Hash -> number of sequences holding that block (0: evictable)."""
@@ -88,6 +90,8 @@ class BlockPool:
         for _ in range(n - take):
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
+            if self._on_evict is not None:
+                self._on_evict(h)
         return True
 
     def name(self, h: int) -> bool:
