@@ -27,7 +27,8 @@ from dpserve.config.settings import resolve
 
 @dataclass(frozen=True, kw_only=True)
 class SimConfig:
-    """What one simulated replica serves and how fast its engine steps are."""
+    """What one simulated replica serves, how fast its engine steps are and whether it
+    publishes its KV-cache events."""
 
     model: str = "sim-model"
     """Served model name: what `/v1/models` lists and requests must name (or omit)."""
@@ -59,6 +60,16 @@ class SimConfig:
     uniform factor in [1 - jitter, 1 + jitter], drawn from a generator seeded by `seed`."""
     seed: int = 0
     """Seed of the jitter generator; replica i of a fleet uses seed + i."""
+    kv_events: bool = False
+    """Publish the prefix cache's KV-cache events over ZMQ in vLLM's wire format, and their
+    endpoints at `GET /kv_event_sources`, as vLLM with `--kv-events-config` (kv_events.py)."""
+    kv_events_topic: str = "kv"
+    """Topic frame of every event message (vLLM's `topic`)."""
+    kv_events_buffer_steps: int = 10_000
+    """Latest batches kept for the replay socket (vLLM's `buffer_steps`)."""
+    kv_events_hwm: int = 100_000
+    """Messages the PUB socket queues per subscriber before it drops them for that
+    subscriber (ZMQ's high-water mark, vLLM's `hwm`); 0: no limit."""
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +99,10 @@ def validate(c: SimConfig) -> None:
              "steps must take some time (step_base_s, prefill_per_token_s and "
              "decode_per_seq_s are all 0)", c.step_base_s)
     _require(0 <= c.step_jitter < 1, "step_jitter", "must be in [0, 1)", c.step_jitter)
+    _require(isinstance(c.kv_events_buffer_steps, int) and c.kv_events_buffer_steps >= 1,
+             "kv_events_buffer_steps", "must be an integer >= 1", c.kv_events_buffer_steps)
+    _require(isinstance(c.kv_events_hwm, int) and c.kv_events_hwm >= 0, "kv_events_hwm",
+             "must be an integer >= 0", c.kv_events_hwm)
     _require(c.num_blocks * c.block_size >= c.max_model_len + c.block_size, "kv_cache_tokens",
              f"must hold at least one request of max_model_len ({c.max_model_len}) tokens "
              "plus one block", c.kv_cache_tokens)

@@ -15,7 +15,8 @@ Each engine step, like vLLM v1's scheduler:
    * decoding sequences + decode_per_context_token_s * their context`` seconds
    (times the jitter factor and the fault slowdown);
 4. ends: every sequence whose known tokens are all computed emits one token;
-   those that reach `max_tokens` finish and release their blocks.
+   those that reach `max_tokens` finish and release their blocks. Blocks whose
+   tokens (prompt or output) became all computed are named in the prefix cache.
 
 Timing: step k ends at a deadline on a monotonic clock, the previous deadline
 plus the step's time (or the first request's arrival when the engine was
@@ -33,11 +34,13 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from dpserve.sim import kv_events
 from dpserve.sim.config import SimConfig, validate
 from dpserve.sim.metrics import EngineStats
-from dpserve.sim.prefix_cache import BlockPool, block_hashes
+from dpserve.sim.prefix_cache import ROOT_HASH, BlockPool, block_hashes
+from dpserve.sim.tokenizer import output_ids
 
 _now = time.monotonic
 """The engine's clock: asyncio's own, and not uvloop's, which counts whole milliseconds."""
@@ -58,11 +61,14 @@ class SimSequence:
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, arrival: float,
                  config: SimConfig) -> None:
+        self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.arrival = arrival
         self.hashes = (block_hashes(prompt_ids, config.block_size)
                        if config.enable_prefix_caching else [])
+        """Hashes of the full blocks known so far: the prompt's, then the output's as
+        `hash_blocks` adds them."""
         self.output_count = 0
         self.num_computed = 0
         """Tokens whose KV is computed (cached ones included)."""
@@ -83,6 +89,21 @@ class SimSequence:
     def num_tokens(self) -> int:
         return self.prompt_len + self.output_count
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of tokens `start .. end-1`, prompt and output alike."""
+        split = min(max(start, self.prompt_len), end)
+        return [*self.prompt_ids[start:split],
+                *output_ids(self.prompt_ids, split - self.prompt_len, end - split)]
+
+    def hash_blocks(self, n: int, block_size: int) -> None:
+        """Extend `hashes` to the first `n` full blocks, into the output (whose tokens
+        must be known that far): vLLM caches generated blocks as it does prompt ones."""
+        done = len(self.hashes)
+        if n > done:
+            parent = self.hashes[-1] if self.hashes else ROOT_HASH
+            self.hashes += block_hashes(self.token_ids(done * block_size, n * block_size),
+                                        block_size, parent)
+
     def _notify(self) -> None:
         if (self._waiter is not None and not self._waiter.done()
                 and (self.output_count > self._wanted or self.finished)):
@@ -102,10 +123,16 @@ class Engine:
     """The scheduler and its clock. `run()` is the one task; `add`/`abort` are called
     from request handlers on the same loop."""
 
-    def __init__(self, config: SimConfig, *, seed: int | None = None) -> None:
+    def __init__(self, config: SimConfig, *, seed: int | None = None,
+                 on_kv_events: Callable[[list[kv_events.Event]], None] | None = None) -> None:
+        """`on_kv_events(events)` is called at the end of every step that named or
+        evicted blocks, with those changes in order, as vLLM's scheduler publishes."""
         validate(config)
         self.config = config
-        self.pool = BlockPool(config.num_blocks)
+        self._on_kv_events = on_kv_events
+        self._kv_events: list[kv_events.Event] = []
+        self.pool = BlockPool(config.num_blocks,
+                              on_evict=self._evicted if on_kv_events is not None else None)
         self.waiting: deque[SimSequence] = deque()
         self.running: list[SimSequence] = []
         self.stats = EngineStats()
@@ -169,6 +196,9 @@ class Engine:
             self.stats.timing_error.observe(abs(late))
             clock = deadline if late < RESYNC_S else _now()
             self._finish_step(batch, clock)
+            if self._kv_events and self._on_kv_events is not None:
+                events, self._kv_events = self._kv_events, []
+                self._on_kv_events(events)
 
     def _schedule(self) -> tuple[list[tuple[SimSequence, int]], float]:
         """Pick this step's work (steps 1 and 2 of the module docstring) and its time."""
@@ -247,11 +277,16 @@ class Engine:
             if seq.finished:  # aborted while the step ran
                 continue
             seq.num_computed += n
-            full = min(seq.num_computed // bs, len(seq.hashes))
-            for h in seq.hashes[seq.named_upto:full]:
-                if self.pool.name(h):
-                    seq.held.append(h)
-                    seq.unnamed -= 1
+            full = seq.num_computed // bs
+            if self.config.enable_prefix_caching:
+                seq.hash_blocks(full, bs)
+            else:
+                full = 0
+            named = [j for j in range(seq.named_upto, full) if self.pool.name(seq.hashes[j])]
+            seq.held += [seq.hashes[j] for j in named]
+            seq.unnamed -= len(named)
+            if named and self._on_kv_events is not None:
+                self._stored(seq, named)
             seq.named_upto = max(seq.named_upto, full)
             if seq.num_computed < seq.num_tokens:
                 continue  # prefill goes on next step
@@ -271,6 +306,23 @@ class Engine:
             self.stats.requests_finished += 1
             self.stats.e2e.observe(now - seq.arrival)
             seq._notify()
+
+    def _stored(self, seq: SimSequence, blocks: list[int]) -> None:
+        """Record `BlockStored` for the newly named blocks (indices into `seq.hashes`):
+        one event per run of consecutive blocks, each run the child of the block before
+        it. A block another sequence had named already is not stored again."""
+        bs = self.config.block_size
+        start = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                first, end = blocks[start], blocks[i - 1] + 1
+                self._kv_events.append(kv_events.stored(
+                    seq.hashes[first:end], seq.hashes[first - 1] if first else None,
+                    seq.token_ids(first * bs, end * bs), bs))
+                start = i
+
+    def _evicted(self, h: int) -> None:
+        self._kv_events.append(kv_events.removed(h))
 
     def _preempt(self, seq: SimSequence) -> None:
         """Free `seq`'s blocks and queue it first, to recompute what it had."""

@@ -1,9 +1,10 @@
 """KV blocks and the prefix cache, accounted the way vLLM's block pool does.
 
 The KV cache is `num_blocks` blocks of `block_size` tokens. A running sequence
-holds the blocks its tokens occupy. A full prompt block is named by a chained
-hash, ``hash((parent_hash, block_token_ids))``, so equal hashes mean equal
-prefixes up to and including that block. When a sequence ends, its named
+holds the blocks its tokens occupy. A full block, of prompt or of generated
+tokens, is named by a chained hash, ``hash((parent_hash, block_token_ids))``,
+once its tokens' KV is computed, so equal hashes mean equal prefixes up to and
+including that block. When a sequence ends, its named
 blocks are not wiped: they become *evictable*, keep their hash, and serve later
 requests that start with the same tokens. New blocks are taken first from
 never-named free blocks, then from evictable ones, least recently used first;
@@ -18,16 +19,17 @@ tuples of ints, which is the same in every process (no hash randomization).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 ROOT_HASH = 0x5151_5151
 """Parent hash of a prompt's first block."""
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (a trailing partial block has none)."""
+def block_hashes(token_ids: Sequence[int], block_size: int,
+                 parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (a trailing partial block has none),
+    the first one the child of `parent` (the block before them, or none)."""
     hashes: list[int] = []
-    parent = ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
@@ -37,8 +39,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 class BlockPool:
     """Free, held and cached KV blocks. Every method is O(blocks touched)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, on_evict: Callable[[int], None] | None = None) -> None:
+        """`on_evict(hash)` is called for each block evicted (its hash forgotten)."""
         self.num_blocks = num_blocks
+        self._on_evict = on_evict
         self._free_unnamed = num_blocks
         self._refs: dict[int, int] = {}
         """Hash -> number of sequences holding that block (0: evictable)."""
@@ -86,6 +90,8 @@ class BlockPool:
         for _ in range(n - take):
             h, _ = self._evictable.popitem(last=False)
             del self._refs[h]
+            if self._on_evict is not None:
+                self._on_evict(h)
         return True
 
     def name(self, h: int) -> bool:

@@ -40,8 +40,10 @@ def shares(replicas: int, processes: int) -> list[tuple[int, int]]:
 
 
 def run(config: SimConfig, replicas: int, processes: int, *, base_port: int,
-        extra_args: list[str]) -> int:
-    """Run the children until a signal; 0 on a clean stop, 1 if a child failed."""
+        kv_events_port: int, extra_args: list[str]) -> int:
+    """Run the children until a signal; 0 on a clean stop, 1 if a child failed. Each
+    child gets its share of the HTTP ports and of the KV-event ports (two per replica)
+    when they were asked for, so the children's ports never collide."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -52,10 +54,12 @@ def run(config: SimConfig, replicas: int, processes: int, *, base_port: int,
         try:
             for first, count in shares(replicas, processes):
                 port = base_port + first if base_port else 0
+                kv_port = kv_events_port + 2 * first if kv_events_port else 0
                 children.append(subprocess.Popen(
                     [sys.executable, "-m", "dpserve.sim", "--replicas", str(count),
                      "--first-index", str(first), "--base-port", str(port),
-                     "--config", str(config_file), *extra_args],
+                     "--kv-events-port", str(kv_port), "--config", str(config_file),
+                     *extra_args],
                     stdout=subprocess.PIPE, text=True))
             urls = [_read_urls(child, count, stop)
                     for child, (_, count) in zip(children, shares(replicas, processes),

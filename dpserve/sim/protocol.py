@@ -139,9 +139,7 @@ def output_text(prompt_ids: list[int], start: int, count: int) -> str:
 
 
 def _output_pieces(prompt_ids: list[int], start: int, count: int) -> list[str]:
-    seed = prompt_ids[0] * 7919 + len(prompt_ids)
-    return [" " + tokenizer.spell((seed + k * 40503) % tokenizer.VOCAB_SIZE)
-            for k in range(start, start + count)]
+    return [" " + tokenizer.spell(i) for i in tokenizer.output_ids(prompt_ids, start, count)]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 Routes, as vLLM's OpenAI server has them: `POST /v1/completions`,
 `POST /v1/chat/completions` (streamed as server-sent events or not),
-`POST /tokenize`, `GET /v1/models`, `GET /health`, `GET /metrics`. With
+`POST /tokenize`, `GET /v1/models`, `GET /health`, `GET /metrics`,
+`GET /kv_event_sources` (`{}` unless `config.kv_events`; see kv_events.py). With
 `control=True` also `GET|PUT|DELETE /sim/fault` (see faults.py); off by default,
 so a router in front cannot be told about the simulation.
 
@@ -22,6 +23,7 @@ import logging
 import time
 from typing import Any
 
+import zmq.asyncio
 from aiohttp import web
 
 from dpserve.config import ConfigError
@@ -30,6 +32,7 @@ from dpserve.sim import exposition, protocol
 from dpserve.sim.config import SimConfig
 from dpserve.sim.engine import Engine, SimSequence
 from dpserve.sim.faults import Fault
+from dpserve.sim.kv_events import KVEventPublisher
 from dpserve.sim.metrics import CONTENT_TYPE
 
 log = logging.getLogger("dpserve.sim")
@@ -44,7 +47,11 @@ class SimReplica:
     def __init__(self, config: SimConfig, *, index: int = 0, control: bool = False) -> None:
         self.config = config
         self.index = index
-        self.engine = Engine(config, seed=config.seed + index)
+        self.kv_events = KVEventPublisher(config) if config.kv_events else None
+        """The event publisher (its `endpoint`, `replay_endpoint`), with `config.kv_events`."""
+        self._own_context: zmq.asyncio.Context | None = None
+        self.engine = Engine(config, seed=config.seed + index,
+                             on_kv_events=self.kv_events.publish if self.kv_events else None)
         self.port = 0
         self._control = control
         self._fault: Fault | None = None
@@ -68,6 +75,9 @@ class SimReplica:
         self.engine.slowdown = fault.slowdown if fault and fault.mode == "slow" else 1.0
 
     async def start(self, port: int = 0) -> SimReplica:
+        """Serve HTTP on `port` (0: one the OS picks), then bind the event sockets to
+        ports the OS picks, in a ZMQ context of the replica's own, unless
+        `kv_events.bind` was called already (a fleet binds them first, in its context)."""
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -75,6 +85,7 @@ class SimReplica:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/kv_event_sources", self._kv_event_sources)
         if self._control:
             app.router.add_route("*", "/sim/fault", self._fault_endpoint)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -85,6 +96,9 @@ class SimReplica:
         self._engine_task.add_done_callback(self._engine_ended)
         try:
             await web.TCPSite(self._runner, "127.0.0.1", port).start()
+            if self.kv_events is not None and self.kv_events.endpoint is None:
+                self._own_context = zmq.asyncio.Context()
+                self.kv_events.bind(0, self._own_context)
         except BaseException:
             await self.stop()
             raise
@@ -117,6 +131,11 @@ class SimReplica:
             # a crash was logged when it happened
             await asyncio.gather(self._engine_task, return_exceptions=True)
             self._engine_task = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
+        if self._own_context is not None:
+            self._own_context.term()
+            self._own_context = None
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -218,6 +237,10 @@ class SimReplica:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=exposition.render(self.engine),
                             headers={"Content-Type": CONTENT_TYPE})
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        # vLLM answers {} when its engines publish no events.
+        return web.json_response(self.kv_events.sources() if self.kv_events else {})
 
     async def _fault_endpoint(self, request: web.Request) -> web.Response:
         if request.method == "PUT":

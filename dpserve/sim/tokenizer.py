@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 _ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
@@ -55,6 +55,14 @@ def spell(token_id: int) -> str:
 
 def decode(token_ids: Iterable[int]) -> str:
     return " ".join(map(_SPELLING.__getitem__, token_ids))
+
+
+def output_ids(prompt_ids: Sequence[int], start: int, count: int) -> list[int]:
+    """Ids of the simulated model's output tokens `start .. start+count-1` after
+    `prompt_ids`: a pure function of the prompt, so the engine (which caches their
+    blocks) and the responses (which spell them) agree without passing them around."""
+    seed = prompt_ids[0] * 7919 + len(prompt_ids)
+    return [(seed + k * 40503) % VOCAB_SIZE for k in range(start, start + count)]
 
 
 def _pieces(text: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,8 +22,9 @@ TOLERANCE_S = 0.004
 
 
 @contextlib.asynccontextmanager
-async def running_engine(config: SimConfig = FAST) -> AsyncIterator[Engine]:
-    engine = Engine(config)
+async def running_engine(config: SimConfig = FAST, **kwargs: Any) -> AsyncIterator[Engine]:
+    """An engine stepping in a task of its own; `kwargs` go to `Engine`."""
+    engine = Engine(config, **kwargs)
     task = asyncio.create_task(engine.run())
     try:
         yield engine

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from dpserve.sim import Engine
+from dpserve.sim.tokenizer import output_ids
 from tests.sim.conftest import FAST, TOLERANCE_S, running_engine
 
 
@@ -88,6 +89,17 @@ async def test_a_fully_cached_prompt_still_computes_its_last_token():
             seq = engine.add(list(range(64)), max_tokens=1)
             await finish(seq)
     assert seq.num_cached == 48  # the last block is recomputed for its final token
+
+
+async def test_a_follow_up_that_repeats_the_answer_finds_the_answer_s_blocks_cached():
+    prompt = list(range(100, 132))  # two blocks
+    async with running_engine() as engine:
+        first = engine.add(prompt, max_tokens=40)  # 71 tokens computed: 4 full blocks
+        await finish(first)
+        answer = output_ids(prompt, 0, 40)
+        second = engine.add([*prompt, *answer, 7, 8], max_tokens=1)
+        await finish(second)
+    assert second.num_cached == 64  # the prompt's 2 blocks and the answer's first 2
 
 
 async def test_without_prefix_caching_nothing_is_cached():
