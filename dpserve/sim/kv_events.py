@@ -184,10 +184,13 @@ class KVEventPublisher:
 
     def sources(self) -> dict[str, dict[str, Any]]:
         """The body of `GET /kv_event_sources`: vLLM's `KVEventsConfig` per data-parallel
-        rank (one here), with the endpoints a subscriber connects to."""
+        rank (one here), as an engine started with `tcp://*:PORT` answers: the port on
+        a wildcard host, which a subscriber reaches on the replica's own host (the
+        sockets are bound on loopback, where the simulated replicas listen)."""
         c = self.config
         return {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                      "endpoint": _wildcard(self.endpoint),
+                      "replay_endpoint": _wildcard(self.replay_endpoint),
                       "buffer_steps": c.kv_events_buffer_steps, "hwm": c.kv_events_hwm,
                       "max_queue_size": MAX_QUEUE_SIZE, "topic": c.kv_events_topic}}
 
@@ -226,6 +229,11 @@ class KVEventPublisher:
                     await replay.send_multipart((client, b"", b"", END_SEQ, b""))
             except (TimeoutError, zmq.ZMQError) as exc:  # slow or gone
                 log.warning("KV-event replay to a client abandoned: %s", exc or "timed out")
+
+
+def _wildcard(endpoint: str | None) -> str | None:
+    """`tcp://127.0.0.1:PORT` as vLLM reports a wildcard bind: `tcp://*:PORT`."""
+    return None if endpoint is None else "tcp://*:" + endpoint.rsplit(":", 1)[1]
 
 
 def _bind(sock: zmq.Socket[Any], port: int) -> str:

@@ -26,6 +26,7 @@ import zmq.asyncio
 from dpserve.config import ConfigError
 from dpserve.router.kv.events import END_SEQ, Batch, Removed, Stored, decode
 from dpserve.router.kv.index import KVIndex
+from dpserve.router.kv.sources import parse_sources
 from dpserve.sim import Fleet, SimReplica, tokenizer
 from dpserve.sim.kv_events import KVEventBatch, KVEventPublisher, wire_hash
 from dpserve.sim.prefix_cache import block_hashes
@@ -70,16 +71,17 @@ async def subscribe(ctx: zmq.asyncio.Context, session: aiohttp.ClientSession,
     a subscription takes effect some time after `connect`, so one-block probe requests
     are sent until one's batch arrives. Returns the socket and the batches seen."""
     async with session.get(url + "/kv_event_sources") as resp:
-        source = (await resp.json())["0"]
+        source = parse_sources(await resp.read(), url)  # as the router reads it
+    assert source is not None
     sub = ctx.socket(zmq.SUB)
-    sub.subscribe(source["topic"].encode())
-    sub.connect(source["endpoint"])
+    sub.subscribe(source.topic.encode())
+    sub.connect(source.endpoint)
 
     async def probe() -> list[Batch]:
         await post(session, url, [10_000 + next(_probes)] * BS)  # one new block
         return [decode(await sub.recv_multipart())] if await sub.poll(100) else []
 
-    return sub, await wait_for(probe, f"the first event from {source['endpoint']}")
+    return sub, await wait_for(probe, f"the first event from {source.endpoint}")
 
 
 def stored_ids(batches: list[Batch]) -> list[int]:
@@ -198,7 +200,8 @@ async def test_kv_event_sources_names_the_endpoints_as_vllm_does():
         assert publisher is not None
         assert answers == [{"0": {
             "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+            "endpoint": "tcp://*:" + publisher.endpoint.rsplit(":", 1)[1],
+            "replay_endpoint": "tcp://*:" + publisher.replay_endpoint.rsplit(":", 1)[1],
             "buffer_steps": 10_000, "hwm": 100_000, "max_queue_size": 100_000,
             "topic": "kv"}}, {}]  # events off: {} as from vLLM
         assert fleet.kv_event_endpoints == [publisher.endpoint, None]

@@ -41,7 +41,7 @@ def test_the_command_spreads_replicas_over_processes_and_stops_them_on_sigterm(t
                 source = json.load(resp)["0"]
             endpoints += [source["endpoint"], source["replay_endpoint"]]
         assert len(set(endpoints)) == 6
-        assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints)
+        assert all(e.startswith("tcp://*:") for e in endpoints)  # as vLLM reports a bind
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         for url in urls:  # the child processes are gone too
