@@ -6,13 +6,16 @@ request is not routed by prefix (several prompts, images, a body too large or to
 a template error, too much tokenizing already queued). It never raises, and the loop
 only checks and measures the body; rendering and encoding run on a worker thread.
 
-Why threads and not processes: on this machine (2 cores) the loop's longest stall
-while 8k-token prompts were tokenized 64 at a time was the same with one worker
-thread as with one worker process (~1-4 ms, the machine's own noise being ~1 ms),
-since the Rust encoder releases the GIL for all of its work (`hf.py`) and a chat
-template renders in ~0.1 ms. What stalls the loop is CPU: 4 workers on 2 cores
-stalled it 9-12 ms. So the pool defaults to one thread per core beyond the loop's.
-`benchmarks/routing/tokenize.py` measures both.
+Why threads and not processes (`benchmarks/routing/tokenize.py`, 2 cores): while 64
+chat prompts of 8k tokens were tokenized, one worker thread and one worker process
+stalled the loop alike: p99 ~1.1 ms, longest 2-8 ms for threads and 1-6 ms for
+processes over three runs, the idle loop's own longest being up to 1 ms. The Rust
+encoder holds the GIL for none of its work (`hf.py`) and a template renders in
+~0.1 ms, so the GIL is not what stalls the loop: the CPU is. Two workers on two cores
+took the loop's core too (p99 3-7 ms), threads or processes. A process would also
+import transformers again and copy every body across. So: threads, one per core the
+loop does not use, at least one. Tokenizing on the loop stalled it 4-6 ms per 8k
+prompt, and a burst of them chained into 300 ms.
 
 Bounds: a prompt over `max_chars` characters (or `max_items` messages, parts, token
 ids or JSON values) is not tokenized; past `max_pending` requests queued or running,
