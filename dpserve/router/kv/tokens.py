@@ -52,10 +52,13 @@ def _default_workers() -> int:
 @dataclass(frozen=True, kw_only=True)
 class PromptLimits:
     max_chars: int = 1 << 20
-    """Characters of text in one prompt (all messages); ~250k tokens of English, ~0.1 s
-    of one worker's time. Longer prompts are not tokenized."""
-    max_items: int = 1 << 17
-    """Messages, content parts, token ids and JSON values in one prompt."""
+    """Characters of text in one prompt (all messages), or token ids of a prompt given as
+    ids; ~250k tokens of English, ~0.5 s of one worker's time. Longer ones are not
+    tokenized."""
+    max_items: int = 2048
+    """Messages, content parts, tools, tool calls, documents and values of free-form
+    JSON (tool parameters, template arguments) in one request: the loop checks each
+    (~1-3 us), so this bounds its share to ~5 ms."""
     max_pending: int = 64
     """Prompts queued or being tokenized; past this, requests get None at once."""
     cache_size: int = 1024
