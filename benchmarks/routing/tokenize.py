@@ -112,7 +112,7 @@ async def cost_row(route: str, n: int, tokenizer: Any, encoder: HfPromptEncoder,
 async def cost_table(tokenizer: Any, encoder: HfPromptEncoder) -> None:
     print(f"{'route':<6} {'tokens':>6} {'vllm us':>8} {'inline us':>9} {'ratio':>6} "
           f"{'on loop us':>10} {'off loop us':>11} {'hit us':>7}")
-    async with PromptTokenizer(encoder, PromptLimits(cache_size=0, workers=1)) as fresh, \
+    async with PromptTokenizer(encoder, PromptLimits(cache_tokens=0, workers=1)) as fresh, \
             PromptTokenizer(encoder, PromptLimits(workers=1)) as cached:
         for route in (COMPLETIONS, CHAT):
             for n in SIZES:
@@ -193,7 +193,7 @@ async def stall_table(model: Path, tokenizer: Any, encoder: HfPromptEncoder,
     await row("inline on the loop", on_loop)
     for workers in (1, 2):
         async with PromptTokenizer(encoder, PromptLimits(
-                workers=workers, cache_size=0, max_pending=requests)) as tok:
+                workers=workers, cache_tokens=0, max_pending=requests)) as tok:
             await row(f"{workers} thread(s)", lambda b, t=tok: t.tokens(CHAT, b))
     loop = asyncio.get_running_loop()
     for workers in (1, 2):

@@ -57,10 +57,14 @@ class HfPromptEncoder:
             (Path(model_dir) / f).exists() for f in _PROCESSOR_FILES)
         self._encode = self._rust_encoder() or self._locked_encoder()
         # vLLM passes a template argument on if the template reads it or
-        # apply_chat_template takes it by name (`resolve_chat_template_kwargs`).
+        # apply_chat_template takes it by name (`resolve_chat_template_kwargs`): the base
+        # class's, and a slow tokenizer's own (vLLM wraps a Rust-backed one's in a
+        # thread pool whose signature names nothing).
+        named: list[Callable[..., Any]] = [PythonBackend.apply_chat_template]
+        if not isinstance(self._tok, TokenizersBackend):
+            named.append(self._tok.apply_chat_template)
         self._named = frozenset(
-            name for fn in (self._tok.apply_chat_template, PythonBackend.apply_chat_template)
-            for name, p in inspect.signature(fn).parameters.items()
+            name for fn in named for name, p in inspect.signature(fn).parameters.items()
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) - _NAMED_ARGS
         self._facts: dict[str, TemplateFacts] = {}
 

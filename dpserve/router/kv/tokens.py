@@ -21,7 +21,7 @@ Bounds: a prompt over `max_chars` characters (or `max_items` messages, parts, to
 ids or JSON values) is not tokenized; past `max_pending` requests queued or running,
 the next ones get None at once, so a flood costs nothing more. Identical prompts
 (a retry, a benchmark, a popular question) are answered from an LRU cache of
-`cache_size` entries, and concurrent identical ones share one encoding.
+`cache_tokens` token ids, and concurrent identical ones share one encoding.
 
 Which encoder: `hf.HfPromptEncoder` for vLLM replicas of a Hugging Face model,
 `dpserve.sim.prompts.SimPromptEncoder` for dpserve's simulated fleet, whose pseudo-
@@ -61,8 +61,9 @@ class PromptLimits:
     (~1-3 us), so this bounds its share to ~5 ms."""
     max_pending: int = 64
     """Prompts queued or being tokenized; past this, requests get None at once."""
-    cache_size: int = 1024
-    """Prompts remembered (an 8k-token prompt's ids take ~70 KiB). 0: no cache."""
+    cache_tokens: int = 1 << 20
+    """Token ids the cache holds in all, least recently used out first: with the
+    prompts' text each weighs ~50 bytes, so ~50 MiB. 0: no cache."""
     workers: int = field(default_factory=_default_workers)
     """Worker threads: one per core the loop does not need, and at least one."""
 
@@ -70,8 +71,8 @@ class PromptLimits:
         for name in ("max_chars", "max_items", "max_pending", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.cache_size < 0:
-            raise ValueError(f"cache_size must not be negative, got {self.cache_size}")
+        if self.cache_tokens < 0:
+            raise ValueError(f"cache_tokens must not be negative, got {self.cache_tokens}")
 
 
 class PromptTokenizer:
@@ -84,6 +85,7 @@ class PromptTokenizer:
         self._pool = ThreadPoolExecutor(self._limits.workers,
                                         thread_name_prefix="dpserve-tokenize")
         self._cache: OrderedDict[Hashable, TokenIds | None] = OrderedDict()
+        self._cached_tokens = 0
         self._flights: dict[Hashable, asyncio.Future[TokenIds | None]] = {}
         self._closed = False
 
@@ -122,11 +124,15 @@ class PromptTokenizer:
     def _land(self, key: Hashable, cache: bool,
               flight: asyncio.Future[TokenIds | None]) -> None:
         del self._flights[key]
-        if (cache and self._limits.cache_size and not flight.cancelled()
-                and flight.exception() is None):
-            self._cache[key] = flight.result()
-            if len(self._cache) > self._limits.cache_size:
-                self._cache.popitem(last=False)
+        if not cache or flight.cancelled() or flight.exception() is not None:
+            return
+        ids = flight.result()
+        if _weight(ids) > self._limits.cache_tokens:
+            return
+        self._cache[key] = ids
+        self._cached_tokens += _weight(ids)
+        while self._cached_tokens > self._limits.cache_tokens:
+            self._cached_tokens -= _weight(self._cache.popitem(last=False)[1])
 
     @staticmethod
     async def _landed(flight: asyncio.Future[TokenIds | None]) -> TokenIds | None:
@@ -150,6 +156,10 @@ class PromptTokenizer:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def _weight(ids: TokenIds | None) -> int:
+    return len(ids) if ids else 1
 
 
 def _run(work: Callable[[], TokenIds | None]) -> TokenIds | None:

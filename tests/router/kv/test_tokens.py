@@ -126,8 +126,13 @@ async def test_other_routes_give_none(tok):
 # --- bounded work, cache, shutdown (a fake encoder keeps the worker busy) ---------------
 
 
+def ids(prompt: str) -> tuple[int, ...]:
+    """What the fake encoder answers: as many ids as the prompt has characters."""
+    return tuple(range(len(prompt)))
+
+
 class GatedEncoder:
-    """Fake: each prompt's job waits for `gate`, counts its run and answers (len,)."""
+    """Fake: each prompt's job waits for `gate`, records its run and answers ids(prompt)."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -141,7 +146,7 @@ class GatedEncoder:
             self.threads.add(threading.get_ident())
             assert self.gate.wait(WAIT_S)
             self.runs.append(prompt)
-            return (len(prompt),)
+            return ids(prompt)
 
         return Job(None if body.get("uncached") else prompt, run)
 
@@ -161,8 +166,8 @@ async def test_past_max_pending_requests_get_none_at_once_and_the_rest_complete(
         await asyncio.sleep(0)
         assert await tok.tokens(COMPLETIONS, {"prompt": "dddd"}) is None
         fake.gate.set()
-        assert await asyncio.gather(*waiting) == [(1,), (2,), (3,)]
-        assert await tok.tokens(COMPLETIONS, {"prompt": "dddd"}) == (4,)
+        assert await asyncio.gather(*waiting) == [ids("a"), ids("bb"), ids("ccc")]
+        assert await tok.tokens(COMPLETIONS, {"prompt": "dddd"}) == ids("dddd")
 
 
 async def test_the_work_runs_off_the_event_loops_thread():
@@ -177,12 +182,12 @@ async def test_a_repeated_prompt_is_answered_from_the_cache_while_the_worker_is_
     fake = GatedEncoder()
     fake.gate.set()
     async with PromptTokenizer(fake, PromptLimits(workers=1)) as tok:
-        assert await tok.tokens(COMPLETIONS, {"prompt": "seen"}) == (4,)
+        assert await tok.tokens(COMPLETIONS, {"prompt": "seen"}) == ids("seen")
         fake.gate.clear()
         busy = asyncio.create_task(tok.tokens(COMPLETIONS, {"prompt": "other"}))
-        assert await tok.tokens(COMPLETIONS, {"prompt": "seen"}) == (4,)
+        assert await tok.tokens(COMPLETIONS, {"prompt": "seen"}) == ids("seen")
         fake.gate.set()
-        assert await busy == (5,)
+        assert await busy == ids("other")
     assert fake.runs == ["seen", "other"]
 
 
@@ -193,17 +198,18 @@ async def test_identical_prompts_in_flight_share_one_encoding():
                 for _ in range(5)]
         await asyncio.sleep(0)
         fake.gate.set()
-        assert await asyncio.gather(*same) == [(3,)] * 5
+        assert await asyncio.gather(*same) == [ids("dup")] * 5
     assert fake.runs == ["dup"]
 
 
-async def test_the_cache_forgets_the_least_recently_used_prompt():
+async def test_the_cache_forgets_the_least_recently_used_prompts_past_its_tokens():
     fake = GatedEncoder()
     fake.gate.set()
-    async with PromptTokenizer(fake, PromptLimits(cache_size=2, workers=1)) as tok:
-        for p in ("a", "b", "a", "c", "a", "b"):
-            await tok.tokens(COMPLETIONS, {"prompt": p})
-    assert fake.runs == ["a", "b", "c", "b"]
+    async with PromptTokenizer(fake, PromptLimits(cache_tokens=4, workers=1)) as tok:
+        for p in ("aa", "bb", "aa", "cc", "aa", "bb", "eeeee", "eeeee", "aa"):
+            assert await tok.tokens(COMPLETIONS, {"prompt": p}) == ids(p)
+    # cc pushed bb out; eeeee, larger than the whole cache, was never kept.
+    assert fake.runs == ["aa", "bb", "cc", "bb", "eeeee", "eeeee"]
 
 
 async def test_a_cancelled_caller_leaves_the_others_their_answer():
@@ -214,7 +220,7 @@ async def test_a_cancelled_caller_leaves_the_others_their_answer():
         await asyncio.sleep(0)
         quitter.cancel()
         fake.gate.set()
-        assert await stayer == (6,)
+        assert await stayer == ids("shared")
         with pytest.raises(asyncio.CancelledError):
             await quitter
 
@@ -230,7 +236,7 @@ async def test_after_close_queued_and_new_requests_get_none():
     assert await queued is None
     assert await tok.tokens(COMPLETIONS, {"prompt": "late"}) is None
     fake.gate.set()
-    assert await running == (4,)
+    assert await running == ids("runs")
 
 
 @pytest.mark.parametrize("field", ["max_chars", "max_items", "max_pending", "workers"])
