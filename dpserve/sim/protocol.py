@@ -54,7 +54,7 @@ def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
         raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model")
     if body.get("n", 1) != 1:
         raise ProtocolError("the simulator serves n=1 only", param="n")
-    ids = _chat_prompt(body.get("messages")) if kind == "chat" else _prompt(body.get("prompt"))
+    ids = prompt_ids(kind, body)
     limit = config.max_model_len
     if not ids:
         raise _invalid("Either prompt or prompt_embeds must be provided and non-empty.",
@@ -87,6 +87,12 @@ def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
 def _invalid(message: str, param: str, value: Any = None) -> ProtocolError:
     suffix = f" (parameter={param})" if value is None else f" (parameter={param}, value={value})"
     return ProtocolError(message + suffix, param=param)
+
+
+def prompt_ids(kind: Kind, body: dict[str, Any]) -> list[int]:
+    """The prompt's token ids as the simulated engine sees them (chat rendered with the
+    template above); raises ProtocolError for a prompt it refuses."""
+    return _chat_prompt(body.get("messages")) if kind == "chat" else _prompt(body.get("prompt"))
 
 
 def tokenize_body(body: Any) -> list[int]:
