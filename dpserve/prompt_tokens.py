@@ -35,3 +35,10 @@ def open_prompt_tokenizer(engine: Literal["vllm", "sim"], model_dir: str | Path 
     else:
         raise ValueError(f"engine must be 'vllm' or 'sim', got {engine!r}")
     return PromptTokenizer(encoder, limits)
+
+
+def open_named(source: str) -> PromptTokenizer:
+    """`--tokenizer`'s value opened: ``sim`` for the simulator's, else a model directory
+    of vLLM replicas."""
+    return open_prompt_tokenizer("sim") if source == "sim" else open_prompt_tokenizer(
+        "vllm", source)

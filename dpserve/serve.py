@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from dpserve.config import RouterConfig, ServeConfig, parse_lora_spec
 from dpserve.httpclient import control_client
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
+from dpserve.prompt_tokens import open_named
 from dpserve.replicas.launcher import (
     free_port,
     plan_replicas,
@@ -119,7 +121,7 @@ def compose(pool: ReplicaPool, deployed: Deployed | None, config: RouterConfig, 
                            client=control)
     router = Router(pool, config, metrics=metrics, own_pause=rollout.hot_loading,
                     weight_version=rollout.deployed_version, routes=deploy_routes(rollout),
-                    adapters=adapters.adapters,
+                    adapters=adapters.adapters, open_tokenizer=open_named,
                     admit=(Admission(then=adapters.admit, client=control) if warm_up
                            else adapters.admit))
     rollout.traffic = router.dispatcher
@@ -192,6 +194,10 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
     """Start the replicas and the router; return the process exit code. `sockets`: the
     router's, already bound by `listen(config.router)` (else bound here)."""
     started = time.monotonic()
+    if config.router.policy == "kv-aware" and config.router.tokenizer is None:
+        # The engines' own tokenizer: the prompts' token ids as they will see them.
+        config = dataclasses.replace(config, router=dataclasses.replace(
+            config.router, tokenizer=config.model))
     run_dir = Path(config.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpus = visible_gpus() if config.gpus is None else config.gpus
     # The engines' KV-event sockets: private to this user, short enough for a socket's

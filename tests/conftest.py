@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dpserve.config import RouterConfig
+from dpserve.prompt_tokens import open_named
 from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.http.app import Router
 from dpserve.router.http.server import bind_socket, uvicorn_server
@@ -23,7 +24,7 @@ async def running_router(urls: list[str], **settings: object) -> AsyncIterator[R
     """The real router app on a real socket, in this test's event loop."""
     config = RouterConfig(**{"health_interval_s": 0.2, **settings})  # type: ignore[arg-type]
     pool = ReplicaPool([Replica(id=f"r{i}", url=u) for i, u in enumerate(urls)])
-    async with serving(Router(pool, config)) as running:
+    async with serving(Router(pool, config, open_tokenizer=open_named)) as running:
         yield running
 
 

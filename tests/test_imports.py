@@ -97,7 +97,8 @@ def test_no_package_imports_itself_through_others():
 ROUTER_LAYERS = (
     ("",),  # the shared vocabulary: errors, sse, asgi, headers
     ("upstream",),
-    ("fleet", "kv"),
+    ("fleet",),
+    ("kv",),
     ("routing", "telemetry"),
     ("migration",),
     ("forward",),

@@ -36,8 +36,9 @@ from dpserve.router.forward.budget import BodyBudget
 from dpserve.router.forward.proxy import ProxyEndpoint
 from dpserve.router.http.admin import admin_routes
 from dpserve.router.http.auth import Authenticate, auth_options, authenticate
+from dpserve.router.kv.routing import KVRouting, PromptTokens
 from dpserve.router.routing.dispatch import Dispatcher
-from dpserve.router.routing.policies import make_policy
+from dpserve.router.routing.policies import kv_aware_of, make_policy
 from dpserve.router.telemetry.federate import EngineMetrics, engine_metrics_endpoint
 from dpserve.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.telemetry.tracing import Tracing
@@ -78,14 +79,23 @@ class Router:
                  routes: Sequence[BaseRoute] = (),
                  adapters: Adapters | None = None,
                  admit: Callable[[Replica], Awaitable[str | None]] | None = None,
-                 upstream: UpstreamClient | None = None) -> None:
+                 upstream: UpstreamClient | None = None,
+                 open_tokenizer: Callable[[str], PromptTokens] | None = None) -> None:
         self.pool = pool
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics(pool)
+        self.control = httpx.AsyncClient()
+        """The control plane's client: health checks, scrapes, admin calls."""
+        self.kv = (KVRouting(pool, config, self.control, open_tokenizer)
+                   if config.policy == "kv-aware" else None)
+        """Routing on the engines' KV events (`dpserve.router.kv.routing`)."""
         self.policy = make_policy(
             config.policy, prefix_chars=config.prefix_chars, load_factor=config.load_factor,
             adapter_slots=config.max_loras if config.enable_lora and config.lora_affinity
-            else None)
+            else None, kv_index=self.kv.index if self.kv is not None else None)
+        kv_policy = kv_aware_of(self.policy)
+        if self.kv is not None and kv_policy is not None:
+            self.kv.register(self.metrics.registry, kv_policy.stats)
         self.dispatcher = Dispatcher(pool, self.policy, config)
         self.adapters = adapters if adapters is not None else Adapters()
         """LoRA adapter versions served beside the base model (filled by deploys)."""
@@ -95,8 +105,6 @@ class Router:
         # a cap here would queue requests invisibly in the client.
         self.upstream: UpstreamClient = upstream if upstream is not None else UpstreamPool()
         """The data plane's connections to the replicas."""
-        self.control = httpx.AsyncClient()
-        """The control plane's client: health checks, scrapes, admin calls."""
         failures = self.metrics.health_check_failures
         self.health = HealthChecker(pool, config, self.control,
                                     on_failure=lambda r: failures.labels(r.id).inc(),
@@ -138,6 +146,8 @@ class Router:
             await self.discovery.refresh()
             self._tasks.append(asyncio.create_task(self.discovery.run(),
                                                    name="dpserve-discovery"))
+        if self.kv is not None:  # before the first replica is admitted: none is missed
+            await self.kv.start()
         await self.health.check_all()
         await self.health.admitted()
         self._tasks.append(asyncio.create_task(self.health.run(), name="dpserve-health"))
@@ -152,6 +162,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.kv is not None:
+            await self.kv.aclose()
         await self.health.aclose()
         self.upstream.close()
         await self.control.aclose()
@@ -226,7 +238,7 @@ def proxy_endpoints(router: Router) -> dict[tuple[str, str], ProxyEndpoint]:
         path, pool=router.pool, dispatcher=router.dispatcher, config=router.config,
         metrics=router.metrics, upstream=router.upstream, bodies=router.bodies,
         keys=router.policy.needs, method=method, adapters=router.adapters,
-        tracing=router.tracing,
+        tracing=router.tracing, tokenize=router.kv.tokenize if router.kv is not None else None,
     ) for path, method in FORWARDED_ROUTES}
 
 

@@ -18,9 +18,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from dpserve.router.kv.decisions import CACHED_BUCKETS, KVRoutingStats
 from dpserve.router.kv.feeds import KVEventFeeds
 from dpserve.router.kv.index import KVIndex
-from dpserve.router.routing.policies.kv_aware import CACHED_BUCKETS, KVRoutingStats
 
 
 class KVCollector(Collector):

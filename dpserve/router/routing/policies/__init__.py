@@ -37,6 +37,7 @@ __all__ = [
     "RoundRobin",
     "SessionAffinity",
     "Shared",
+    "kv_aware_of",
     "make_policy",
     "shared_memory",
 ]
@@ -50,6 +51,12 @@ def shared_memory(policy: Policy) -> Shared | None:
     inner policy, behind adapter affinity)."""
     inner = policy.inner if isinstance(policy, AdapterAffinity) else policy
     return inner if isinstance(inner, PrefixAffinity) else None
+
+
+def kv_aware_of(policy: Policy) -> KVAware | None:
+    """The `kv-aware` policy in `policy` (itself, or behind adapter affinity), if any."""
+    inner = policy.inner if isinstance(policy, AdapterAffinity) else policy
+    return inner if isinstance(inner, KVAware) else None
 
 
 def make_policy(

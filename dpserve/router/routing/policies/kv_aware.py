@@ -35,9 +35,9 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from dpserve.router.fleet.pool import Replica
+from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.routing.policies.base import Policy, RequestInfo
 from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
@@ -50,11 +50,6 @@ KV_LOAD_FACTOR = 3.0
 ENGINE_REPORT_MAX_AGE_S = 10.0
 """An engine report older than this is not believed: the router's own count is used."""
 
-FALLBACK_REASONS = ("no_tokens", "no_events")
-CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
-"""Upper bounds (tokens) of the cached-prefix histogram; one more bucket holds the rest."""
-
-
 def engine_queue(replica: Replica, now: float, max_age_s: float = ENGINE_REPORT_MAX_AGE_S
                  ) -> float:
     """Requests queued on `replica` (running and waiting): its engine's last report
@@ -66,25 +61,6 @@ def engine_queue(replica: Replica, now: float, max_age_s: float = ENGINE_REPORT_
         return float(replica.in_flight)
     since = replica.in_flight - replica.engine_in_flight_at_scrape
     return float(max(load.num_requests + since, replica.in_flight))
-
-
-@dataclass(slots=True)
-class KVRoutingStats:
-    """What the policy did, for `/metrics` (counters since start)."""
-
-    on_events: int = 0
-    """Requests placed by cached prefix and load."""
-    fallbacks: dict[str, int] | None = None
-    """Requests placed by the fallback, by reason (`FALLBACK_REASONS`)."""
-    prompt_tokens: int = 0
-    """Prompt tokens of the requests placed on events."""
-    cached_tokens: int = 0
-    """Of those, tokens the chosen replica held: the hit rate the router expects."""
-    cached_histogram: list[int] | None = None
-    """Decisions on events by the chosen replica's cached-prefix length: one count per
-    bucket of CACHED_BUCKETS (at most that many tokens), then one for longer ones."""
-    last_cached_tokens: int = 0
-    """The cached-prefix length of the latest decision on events."""
 
 
 class KVAware:

@@ -1,0 +1,80 @@
+"""Routing on KV events, composed: the index, the subscriber that feeds it, the feeds
+that follow each ready replica, the prompt tokenizer, and their `/metrics`.
+
+The router builds one when its policy is `kv-aware`; without a tokenizer (`dpserve
+router` without `--tokenizer`), every request is placed by the fallback policy, which
+the log says once at start and `/metrics` counts per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from dpserve.config import RouterConfig
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.kv.decisions import KVRoutingStats
+from dpserve.router.kv.feeds import KVEventFeeds
+from dpserve.router.kv.index import KVIndex
+from dpserve.router.kv.metrics import KVCollector
+from dpserve.router.kv.sources import override_source
+from dpserve.router.kv.subscriber import Subscriber
+
+log = logging.getLogger("dpserve.router")
+
+
+class PromptTokens(Protocol):
+    async def tokens(self, route: str, body: Any) -> Sequence[int] | None: ...
+
+    def close(self) -> None: ...
+
+
+class KVRouting:
+    """What `kv-aware` needs beyond the policy itself, started and closed with the
+    router."""
+
+    def __init__(self, pool: ReplicaPool, config: RouterConfig, control: httpx.AsyncClient,
+                 open_tokenizer: Callable[[str], PromptTokens] | None = None) -> None:
+        """`open_tokenizer(config.tokenizer)`: the prompt tokenizer
+        (`dpserve.prompt_tokens.open_named`, given by the composition root)."""
+        self.index = KVIndex()
+        self.subscriber = Subscriber(self.index)
+        override = (functools.partial(override_source, config.kv_events_endpoint,
+                                      config.kv_events_replay_endpoint,
+                                      config.kv_events_topic)
+                    if config.kv_events_endpoint is not None else None)
+        self.feeds = KVEventFeeds(pool, self.subscriber, control, override=override)
+        self._tokenizer_source = config.tokenizer
+        self._open_tokenizer = open_tokenizer
+        self._tokenizer: PromptTokens | None = None
+
+    def register(self, registry: CollectorRegistry, routing: KVRoutingStats) -> None:
+        registry.register(KVCollector(self.index, self.feeds, routing,
+                                      self.subscriber.stats))
+
+    async def start(self) -> None:
+        """Load the tokenizer (off the loop: a large one takes seconds), then follow the
+        ready replicas' events."""
+        source, opener = self._tokenizer_source, self._open_tokenizer
+        if source is None or opener is None:
+            log.warning("policy kv-aware without a tokenizer (--tokenizer): every request "
+                        "is placed by prefix affinity")
+        else:
+            self._tokenizer = await asyncio.to_thread(opener, source)
+            log.info("kv-aware: prompts tokenized with %s", source)
+        self.feeds.start()
+
+    async def tokenize(self, route: str, body: dict[str, Any]) -> Sequence[int] | None:
+        tokenizer = self._tokenizer
+        return None if tokenizer is None else await tokenizer.tokens(route, body)
+
+    async def aclose(self) -> None:
+        await self.feeds.aclose()
+        if self._tokenizer is not None:
+            self._tokenizer.close()
