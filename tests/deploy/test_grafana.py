@@ -23,6 +23,10 @@ from dpserve.metrics.fake_nvml import FakeNvml, fake_gpus
 from dpserve.metrics.gpu import GpuCollector
 from dpserve.metrics.process import ProcessCollector
 from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
+from dpserve.router.kv.index import KVIndex
+from dpserve.router.kv.metrics import KVCollector
+from dpserve.router.kv.subscriber import FeedStats
 from dpserve.router.telemetry.metrics import RouterMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dpserve.json"
@@ -60,12 +64,23 @@ def exposed(family_name: str, kind: str) -> set[str]:
     return {base + s for s in SUFFIXES.get(kind, ("",))}
 
 
+def kv_collector() -> KVCollector:
+    """The `kv-aware` series, with one replica followed and one decision of each kind."""
+    index = KVIndex()
+    index.apply("r0", 0, [])
+    stats = KVRoutingStats(on_events=1, fallbacks=dict.fromkeys(FALLBACK_REASONS, 1),
+                           cached_histogram=[0] * (len(CACHED_BUCKETS) + 1))
+    return KVCollector(index, lambda: {"r0": "following"}, stats,
+                       lambda: {"r0": FeedStats("tcp://r0:5557", last_at=0.0)})
+
+
 def dpserve_series() -> set[str]:
     registry = RouterMetrics(ReplicaPool([Replica(id="r0", url="http://127.0.0.1:1")])).registry
     gpus = GpuCollector.open(FakeNvml(fake_gpus(1)))
     assert gpus is not None
     registry.register(gpus)
     registry.register(ProcessCollector(dict))
+    registry.register(kv_collector())
     names: set[str] = set()
     for family in CollectorRegistry.collect(registry):
         names |= exposed(family.name, family.type)

@@ -7,7 +7,7 @@ nothing of any request's content.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client.core import (
@@ -19,17 +19,17 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from dpserve.router.kv.decisions import CACHED_BUCKETS, KVRoutingStats
-from dpserve.router.kv.feeds import KVEventFeeds
 from dpserve.router.kv.index import KVIndex
 
 
 class KVCollector(Collector):
-    """The KV-event series; `feed_stats` gives each replica's subscriber counters."""
+    """The KV-event series; `status` gives each replica's feed status
+    (`KVEventFeeds.status`), `feed_stats` its subscriber's counters."""
 
-    def __init__(self, index: KVIndex, feeds: KVEventFeeds, routing: KVRoutingStats,
-                 feed_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, index: KVIndex, status: Callable[[], Mapping[str, str]],
+                 routing: KVRoutingStats, feed_stats: Callable[[], Mapping[str, Any]]) -> None:
         self._index = index
-        self._feeds = feeds
+        self._status = status
         self._routing = routing
         self._feed_stats = feed_stats
 
@@ -60,7 +60,7 @@ class KVCollector(Collector):
                                       "1 for a replica whose KV events the router follows, "
                                       "0 for one routed by the fallback policy.",
                                       labels=["replica"])
-        for rid, status in sorted(self._feeds.status.items()):
+        for rid, status in sorted(self._status().items()):
             following.add_metric([rid], 1.0 if status == "following" else 0.0)
         yield following
         stats = self._feed_stats()

@@ -55,7 +55,7 @@ class KVRouting:
         self._tokenizer: PromptTokens | None = None
 
     def register(self, registry: CollectorRegistry, routing: KVRoutingStats) -> None:
-        registry.register(KVCollector(self.index, self.feeds, routing,
+        registry.register(KVCollector(self.index, lambda: self.feeds.status, routing,
                                       self.subscriber.stats))
 
     async def start(self) -> None:

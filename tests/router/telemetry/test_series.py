@@ -43,7 +43,15 @@ PROCESS_SERIES = {
           "without GPUs has them (a router in front of remote replicas has no processes)"
     for name in ("dpserve_replica_cpu_utilization_ratio", "dpserve_replica_memory_rss_bytes")
 }
-ROUTER_EXCEPTIONS = {**GPU_SERIES, **PROCESS_SERIES}
+KV_SERIES = {
+    name: "routing on KV events: only a router with `--policy kv-aware` has them (per "
+          "replica once it publishes events); tests/router/kv/test_two_routers_sim.py"
+    for name in ("dpserve_kv_routing_decisions_total", "dpserve_kv_routed_tokens_total",
+                 "dpserve_kv_index_blocks", "dpserve_kv_event_lag_seconds",
+                 "dpserve_kv_event_gaps_total", "dpserve_kv_event_replays_total",
+                 "dpserve_kv_event_resyncs_total", "dpserve_kv_events_following")
+}
+ROUTER_EXCEPTIONS = {**GPU_SERIES, **PROCESS_SERIES, **KV_SERIES}
 """Series a router in front of engines it did not start never has, and why. `vllm:*`
 series are not checked at all: engines export them (the router federates them on
 /metrics/engines)."""
