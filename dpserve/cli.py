@@ -219,7 +219,8 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError("replica: give at least one --replica URL, or --discover")
         _setup_logging(cfg.log_level)
         base_model = os.path.expanduser(ns.base_model) if ns.base_model else None
-        sockets = preflight.listen_or_refuse(preflight.check_router(base_model), cfg)
+        sockets = preflight.listen_or_refuse(
+            preflight.check_router(base_model, tokenizer=cfg.tokenizer), cfg)
         return _run_loop(run_router(cfg, ns.replica, base_model, sockets))
 
     from dpserve.serve import run_serve

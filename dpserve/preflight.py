@@ -67,14 +67,18 @@ def check_serve(cfg: ServeConfig, *, visible: Sequence[int], cores: Sequence[int
     return found
 
 
-def check_router(base_model: str | None, *,
+def check_router(base_model: str | None, *, tokenizer: str | None = None,
                  environ: Mapping[str, str] | None = None) -> Findings:
     """What `dpserve router` can check: the `--base-model` deploys compare checkpoints
-    with is a local model directory (read, never fetched)."""
-    if base_model is None:
-        return Findings()
-    return check_model(base_model, flag="--base-model",
-                       environ=os.environ if environ is None else environ, hub=False)
+    with, and the `--tokenizer` `kv-aware` reads prompts with, are local model
+    directories (read, never fetched)."""
+    environ = os.environ if environ is None else environ
+    found = Findings()
+    if base_model is not None:
+        found.add(check_model(base_model, flag="--base-model", environ=environ, hub=False))
+    if tokenizer is not None and tokenizer != "sim":
+        found.add(check_model(tokenizer, flag="--tokenizer", environ=environ, hub=False))
+    return found
 
 
 def check_model(model: str, *, flag: str, environ: Mapping[str, str],

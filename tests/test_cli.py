@@ -91,6 +91,13 @@ def test_router_checks_its_base_model_and_port_before_starting(nothing_starts, b
     assert len(err) == 2
 
 
+def test_router_checks_its_tokenizer_before_starting(nothing_starts, tmp_path, capsys):
+    assert main(["router", "--replica", "http://r:1", "--port", "0", "--policy", "kv-aware",
+                 "--tokenizer", str(tmp_path / "tok")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dpserve router: --tokenizer {tmp_path / 'tok'}: no such directory"]
+
+
 def test_gpus_that_are_not_there_are_refused(nothing_starts, tiny_model, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert main(["serve", "--model", str(tiny_model), "--gpus", "1,2", "--port", "0"]) == 2

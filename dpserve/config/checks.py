@@ -9,7 +9,6 @@ deploy API that names adapters at run time.
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 
 from dpserve.config.schema import POLICIES, RouterConfig, ServeConfig
@@ -186,9 +185,6 @@ def _validate_kv(c: RouterConfig) -> None:
             c.kv_events_replay_endpoint)
     require(0 < len(c.kv_events_topic) <= 256, "router.kv_events_topic",
             "must be 1 to 256 characters", c.kv_events_topic)
-    if c.tokenizer is not None and c.tokenizer != "sim":
-        require(os.path.isdir(c.tokenizer), "router.tokenizer",
-                "must be a model directory (with its tokenizer files) or `sim`", c.tokenizer)
     require(c.policy != "kv-aware" or c.workers == 1, "router.workers",
             "must be 1 with policy kv-aware (each worker would follow every replica's "
             "events; not supported yet)", c.workers)

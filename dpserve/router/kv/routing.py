@@ -66,8 +66,14 @@ class KVRouting:
             log.warning("policy kv-aware without a tokenizer (--tokenizer): every request "
                         "is placed by prefix affinity")
         else:
-            self._tokenizer = await asyncio.to_thread(opener, source)
-            log.info("kv-aware: prompts tokenized with %s", source)
+            try:
+                self._tokenizer = await asyncio.to_thread(opener, source)
+            except Exception as exc:  # a directory without tokenizer files, a bad template
+                log.error("--tokenizer %s: cannot load it (%s); every request is placed by "
+                          "prefix affinity", source, str(exc).splitlines()[0][:200] or
+                          type(exc).__name__)
+            else:
+                log.info("kv-aware: prompts tokenized with %s", source)
         self.feeds.start()
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> Sequence[int] | None:
