@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve.router.fleet.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
+from dpserve.router.fleet.engine_metrics import (
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    RUNNING,
+    WAITING,
+)
 
 LABEL = "replica"
 """The label `dpserve.router.telemetry.federate` adds to engine samples and the device collectors
@@ -39,6 +45,8 @@ CPU_UTILIZATION = "dpserve_replica_cpu_utilization_ratio"
 MEMORY_RSS = "dpserve_replica_memory_rss_bytes"
 
 _SUMMED = {RUNNING: "running", WAITING: "waiting", GENERATION_TOKENS: "generation_tokens",
+           PREFIX_CACHE_HITS + "_total": "prefix_cache_hits",
+           PREFIX_CACHE_QUERIES + "_total": "prefix_cache_queries",
            GPU_MEMORY_USED: "gpu_memory_used_bytes",
            GPU_MEMORY_TOTAL: "gpu_memory_total_bytes",
            CPU_UTILIZATION: "cpu_utilization", MEMORY_RSS: "memory_rss_bytes"}
@@ -71,6 +79,10 @@ class ReplicaSample:
     """CPU time per wall time per core the replica is bound to (CPU replicas)."""
     memory_rss_bytes: float | None = None
     """Resident memory of the replica's process tree (CPU replicas)."""
+    prefix_cache_hits: float | None = None
+    """Prompt tokens the engine found in its prefix cache since it started (a counter)."""
+    prefix_cache_queries: float | None = None
+    """Prompt tokens the engine looked up in its prefix cache (a counter)."""
 
 
 @dataclass

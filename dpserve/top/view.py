@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dpserve.top.window import WINDOW_S, Row
 
 COLUMNS = ("replica", "state", "version", "adapters", "in-flight", "waiting", "tok/s",
-           "TTFT p50", "TTFT p99", "KV", "util", "memory")
-"""Column headings; TTFT and tok/s are over the last `WINDOW_S` seconds."""
+           "TTFT p50", "TTFT p99", "KV", "prefix hit", "util", "memory")
+"""Column headings; TTFT, tok/s and prefix hit are over the last `WINDOW_S` seconds."""
 
 GIB = 1024.0 ** 3
 
@@ -46,14 +46,17 @@ def memory(row: Row) -> str:
     return f"{size(row.memory_used_bytes)} / {size(row.memory_total_bytes)}"
 
 
+def percent(value: float | None) -> str:
+    return _or_dash(value, ".0%")
+
+
 def cells(row: Row) -> tuple[str, ...]:
     """One row's cells, in COLUMNS' order."""
     return (row.id, row.state, row.version, ",".join(row.adapters) or "-",
             str(row.in_flight), _or_dash(row.waiting, ".0f"),
             _or_dash(row.tokens_per_s, ".1f"), seconds(row.ttft_p50_s),
-            seconds(row.ttft_p99_s),
-            "-" if row.kv_cache_usage is None else f"{row.kv_cache_usage:.0%}",
-            utilization(row), memory(row))
+            seconds(row.ttft_p99_s), percent(row.kv_cache_usage),
+            percent(row.prefix_hit_rate), utilization(row), memory(row))
 
 
 def summary(rows: Sequence[Row], span_s: float) -> str:

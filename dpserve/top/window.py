@@ -8,11 +8,14 @@ scrape and the oldest one in the window that has that replica's series:
 
 - tokens/s: counter delta / time between the two scrapes;
 - TTFT p50/p99: the quantile of the histogram's bucket deltas, interpolated
-  within a bucket as Prometheus' `histogram_quantile` does.
+  within a bucket as Prometheus' `histogram_quantile` does;
+- prefix hit: the engine's prefix-cache hits delta / queries delta (tokens).
 
 A counter that went down was reset (the replica restarted): the newest value is
-then the delta, as Prometheus' `rate()` takes it. A window with no first token
-in it has no TTFT (None, shown as `-`), never 0.
+then the delta, as Prometheus' `rate()` takes it. Counters of one process that are
+divided (hits by queries) are reset together when either went down. A window with
+no first token in it has no TTFT (None, shown as `-`), never 0; one with no
+prefix-cache query has no hit rate.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class Row:
     """GPU memory in use, or the process tree's RSS on a CPU replica."""
     memory_total_bytes: float | None
     """GPU memory installed; None on a CPU replica."""
+    prefix_hit_rate: float | None = None
+    """Prompt tokens the engine found in its prefix cache per token it looked up, over
+    the window; None without a query in it."""
 
 
 class History:
@@ -93,9 +99,14 @@ class History:
         return rows(list(self._snapshots))
 
 
-def counter_delta(new: float, old: float) -> float:
-    """Increase of a counter between two scrapes; after a reset, everything since it."""
-    return new - old if new >= old else new
+def counter_deltas(new: Sequence[float], old: Sequence[float]) -> tuple[float, ...]:
+    """Increases of counters one process keeps, between two scrapes. Judged together:
+    if any went down the process restarted, and each is then everything since. One by
+    one, a counter already past its old value after the restart would give a delta
+    across it, and a ratio of two (hits / queries) could pass 100%."""
+    if any(n < o for n, o in zip(new, old, strict=True)):
+        return tuple(new)
+    return tuple(n - o for n, o in zip(new, old, strict=True))
 
 
 def bucket_deltas(new: Buckets, old: Buckets) -> Buckets:
@@ -140,16 +151,46 @@ def _baseline(history: Sequence[Snapshot], replica: str, has: str) -> Snapshot |
     return None
 
 
+def _values(sample: ReplicaSample | None, attrs: Sequence[str]) -> tuple[float, ...] | None:
+    if sample is None:
+        return None
+    values = tuple(getattr(sample, a) for a in attrs)
+    return values if all(v is not None for v in values) else None
+
+
+def _increase(history: Sequence[Snapshot], replica: str, attrs: Sequence[str]
+              ) -> tuple[tuple[float, ...], float] | None:
+    """How much `replica`'s counters `attrs` rose (reset together) and in how many
+    seconds: from the oldest scrape in the window with them all to the newest. None
+    without two such scrapes."""
+    now = _values(history[-1].samples.get(replica), attrs) if history else None
+    if now is None:
+        return None
+    for snap in history[:-1]:
+        old = _values(snap.samples.get(replica), attrs)
+        if old is not None:
+            seconds = history[-1].at - snap.at
+            return (counter_deltas(now, old), seconds) if seconds > 0 else None
+    return None
+
+
 def tokens_per_s(history: Sequence[Snapshot], replica: str) -> float | None:
-    now = history[-1].samples.get(replica) if history else None
-    if now is None or now.generation_tokens is None:
+    increase = _increase(history, replica, ("generation_tokens",))
+    if increase is None:
         return None
-    base = _baseline(history, replica, "generation_tokens")
-    if base is None or base.at >= history[-1].at:
+    (tokens,), seconds = increase
+    return tokens / seconds
+
+
+HITS = ("prefix_cache_hits", "prefix_cache_queries")
+
+
+def prefix_hit_rate(history: Sequence[Snapshot], replica: str) -> float | None:
+    increase = _increase(history, replica, HITS)
+    if increase is None:
         return None
-    old = base.samples[replica].generation_tokens
-    assert old is not None  # _baseline chose it for having one
-    return counter_delta(now.generation_tokens, old) / (history[-1].at - base.at)
+    (hits, queries), _ = increase
+    return hits / queries if queries > 0 else None
 
 
 def ttft_quantiles(history: Sequence[Snapshot], replica: str,
@@ -186,5 +227,7 @@ def rows(history: Sequence[Snapshot]) -> list[Row]:
             utilization_of="gpu" if gpu else "cpu" if cpu else "",
             memory_used_bytes=s.gpu_memory_used_bytes if gpu else s.memory_rss_bytes,
             memory_total_bytes=s.gpu_memory_total_bytes if gpu else None,
+            prefix_hit_rate=prefix_hit_rate(history, rid),
         ))
     return out
+

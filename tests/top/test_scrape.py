@@ -14,8 +14,10 @@ from tests.fakes import fake_engine_metrics
 
 
 def vllm_text(*, engines: int = 1, tokens: float = 0.0, waiting: float = 0.0,
-              kv: tuple[float, ...] = (0.0,), ttft: dict[str, float] | None = None) -> str:
-    """An exposition shaped like vLLM 0.32's, one label set per engine."""
+              kv: tuple[float, ...] = (0.0,), ttft: dict[str, float] | None = None,
+              prefix: tuple[float, float] | None = None) -> str:
+    """An exposition shaped like vLLM 0.32's, one label set per engine; `prefix`: its
+    prefix-cache (hits, queries) counters."""
     lines = ["# TYPE vllm:num_requests_waiting gauge",
              *(f'vllm:num_requests_waiting{{engine="{e}",model_name="m"}} {waiting}'
                for e in range(engines)),
@@ -26,6 +28,11 @@ def vllm_text(*, engines: int = 1, tokens: float = 0.0, waiting: float = 0.0,
              *(f'vllm:generation_tokens_total{{engine="{e}",model_name="m"}} {tokens}'
                for e in range(engines)),
              "# TYPE vllm:time_to_first_token_seconds histogram"]
+    if prefix is not None:
+        for name, value in zip(("hits", "queries"), prefix, strict=True):
+            lines += [f"# TYPE vllm:prefix_cache_{name} counter",
+                      *(f'vllm:prefix_cache_{name}_total{{engine="{e}",model_name="m"}} {value}'
+                        for e in range(engines))]
     for e in range(engines):
         for le, count in (ttft or {}).items():
             lines.append(f'vllm:time_to_first_token_seconds_bucket{{engine="{e}",le="{le}",'
@@ -93,3 +100,12 @@ def test_nan_samples_are_left_out_and_missing_texts_give_no_replicas():
 def test_a_text_that_does_not_parse_names_its_source():
     with pytest.raises(ScrapeError, match="/metrics/engines does not parse"):
         parse_replicas(None, 'vllm:num_requests_waiting{replica="r0"} many\n')
+
+
+def test_prefix_cache_counters_are_summed_over_the_engines_and_absent_ones_stay_unknown():
+    engines = merge_expositions([("r0", vllm_text(engines=2, prefix=(30, 100))),
+                                 ("r1", vllm_text())])
+    samples = parse_replicas(None, engines)
+    assert (samples["r0"].prefix_cache_hits, samples["r0"].prefix_cache_queries) == (60, 200)
+    assert samples["r1"].prefix_cache_hits is samples["r1"].prefix_cache_queries is None
+

@@ -114,6 +114,7 @@ async def test_top_shows_every_replica_live_and_q_quits(fake_replicas, tmp_path)
     async with router_process(free_port(), [a.url, b.url], tmp_path / "router.log") as base:
         with terminal(tmp_path, base) as term:
             screen = await shows(term, "r0", "r1", "2 replicas, 2 ready")
+            assert "prefix hit" in screen
             for replica in ("r0", "r1"):
                 assert row(screen, replica).split()[1:3] == ["ready", f"base:{MODEL}"]
             async with httpx.AsyncClient(timeout=10) as client:

@@ -11,7 +11,7 @@ from dpserve.top.window import (
     History,
     Snapshot,
     bucket_deltas,
-    counter_delta,
+    counter_deltas,
     histogram_quantile,
     rows,
 )
@@ -26,8 +26,8 @@ def snap(at: float, **sample: object) -> Snapshot:
 
 
 def test_a_counter_that_went_down_was_reset_and_counts_from_zero():
-    assert counter_delta(130.0, 100.0) == 30.0
-    assert counter_delta(12.0, 100.0) == 12.0
+    assert counter_deltas((130.0,), (100.0,)) == (30.0,)
+    assert counter_deltas((12.0,), (100.0,)) == (12.0,)
 
 
 def test_histogram_quantile_interpolates_within_the_bucket_like_prometheus():
@@ -108,3 +108,34 @@ def test_rows_carry_the_admin_view_and_pick_gpu_or_cpu_figures():
             cpu.memory_total_bytes) == ("cpu", 0.9, 3e9, None)
     bare = rows([snap(0.0)])[0]
     assert (bare.utilization_of, bare.utilization, bare.waiting) == ("", None, None)
+
+
+def test_prefix_hit_rate_is_the_engines_hits_per_query_over_the_window():
+    history = History(window_s=60)
+    history.add(snap(0.0, prefix_cache_hits=0, prefix_cache_queries=10_000))
+    history.add(snap(30.0, prefix_cache_hits=900, prefix_cache_queries=11_000))
+    assert history.rows()[0].prefix_hit_rate == pytest.approx(0.9)
+    history.add(snap(90.0, prefix_cache_hits=1_000, prefix_cache_queries=12_000))
+    assert history.rows()[0].prefix_hit_rate == pytest.approx(0.1)  # 0 s has left
+
+
+def test_no_prefix_query_in_the_window_or_none_reported_is_no_hit_rate():
+    idle = [snap(0.0, prefix_cache_hits=5, prefix_cache_queries=10),
+            snap(2.0, prefix_cache_hits=5, prefix_cache_queries=10)]
+    assert rows(idle)[0].prefix_hit_rate is None
+    assert rows([snap(0.0), snap(2.0)])[0].prefix_hit_rate is None
+    assert rows(idle[:1])[0].prefix_hit_rate is None
+
+
+def test_a_restarted_engine_counts_hits_and_queries_from_zero_together():
+    [row] = rows([snap(0.0, prefix_cache_hits=800, prefix_cache_queries=1000),
+                  snap(10.0, prefix_cache_hits=30, prefix_cache_queries=40)])
+    assert row.prefix_hit_rate == pytest.approx(0.75)
+    # Hits already past their old count, queries not: one restart for both, not a
+    # delta across it (which would be 40 hits for 20 queries).
+    [row] = rows([snap(0.0, prefix_cache_hits=10, prefix_cache_queries=100),
+                  snap(10.0, prefix_cache_hits=50, prefix_cache_queries=80)])
+    assert row.prefix_hit_rate == pytest.approx(50 / 80)
+    assert counter_deltas((50.0, 80.0), (10.0, 100.0)) == (50.0, 80.0)
+    assert counter_deltas((50.0, 180.0), (10.0, 100.0)) == (40.0, 80.0)
+
