@@ -6,13 +6,15 @@ import math
 
 import pytest
 
-from dpserve.top.scrape import ReplicaSample
+from dpserve.top.scrape import ReplicaSample, RoutingSample
 from dpserve.top.window import (
     History,
+    KVSummary,
     Snapshot,
     bucket_deltas,
     counter_deltas,
     histogram_quantile,
+    kv_summary,
     rows,
 )
 
@@ -139,3 +141,51 @@ def test_a_restarted_engine_counts_hits_and_queries_from_zero_together():
     assert counter_deltas((50.0, 80.0), (10.0, 100.0)) == (50.0, 80.0)
     assert counter_deltas((50.0, 180.0), (10.0, 100.0)) == (40.0, 80.0)
 
+
+ADMIN3 = tuple({"id": f"r{i}", "state": "ready"} for i in range(3))
+
+
+def kv_snap(at: float, events: float, no_tokens: float, prompt: float, cached: float,
+            hits: float, queries: float, gaps: float = 0.0, resyncs: float = 0.0) -> Snapshot:
+    """A `kv-aware` router's scrape: r0 followed (its engine's prefix counters and the
+    feed's), r1 stale, r2 not followed."""
+    return Snapshot(at, ADMIN3, {
+        "r0": ReplicaSample(prefix_cache_hits=hits, prefix_cache_queries=queries,
+                            kv_index_blocks=1234, kv_index_stale=0, kv_events_following=1,
+                            kv_event_gaps=gaps, kv_event_resyncs=resyncs),
+        "r1": ReplicaSample(kv_index_blocks=12, kv_index_stale=1, kv_events_following=1),
+        "r2": ReplicaSample(kv_events_following=0),
+    }, RoutingSample({"events": events, "no_tokens": no_tokens, "no_events": 0},
+                     {"prompt": prompt, "cached": cached}))
+
+
+def test_kv_aware_rows_carry_what_the_index_knows_of_each_replica():
+    r0, r1, r2 = rows([kv_snap(0.0, 0, 0, 0, 0, 0, 0)])
+    assert (r0.kv_index_blocks, r0.kv_index_stale, r0.kv_events_following) == (1234, False, True)
+    assert (r1.kv_index_stale, r1.kv_events_following) == (True, True)
+    assert (r2.kv_index_blocks, r2.kv_index_stale, r2.kv_events_following) == (None, None, False)
+
+
+def test_kv_summary_is_the_routers_decisions_and_hit_rates_over_the_window():
+    history = [kv_snap(0.0, events=100, no_tokens=0, prompt=10_000, cached=5_000,
+                       hits=5_000, queries=10_000, gaps=1, resyncs=1),
+               kv_snap(30.0, events=190, no_tokens=10, prompt=20_000, cached=11_000,
+                       hits=10_800, queries=20_000, gaps=4, resyncs=1)]
+    assert kv_summary(history) == KVSummary(on_events=0.9, expected_hit_rate=0.6,
+                                            found_hit_rate=0.58, resyncs=0, gaps=3)
+
+
+def test_one_kv_scrape_has_no_window_figures_and_other_policies_no_kv_summary():
+    assert kv_summary([kv_snap(0.0, 1, 1, 1, 1, 1, 1)]) == KVSummary(None, None, None,
+                                                                    None, None)
+    assert kv_summary([snap(0.0), snap(2.0)]) is None
+    assert kv_summary([]) is None
+
+
+def test_a_restarted_router_counts_its_decisions_from_zero():
+    before = kv_snap(0.0, events=500, no_tokens=0, prompt=50_000, cached=40_000,
+                     hits=0, queries=0)
+    after = kv_snap(10.0, events=3, no_tokens=1, prompt=100, cached=25, hits=0, queries=0)
+    summary = kv_summary([before, after])
+    assert summary is not None
+    assert (summary.on_events, summary.expected_hit_rate) == (0.75, 0.25)
