@@ -177,7 +177,8 @@ def _add_status(sub: Subparsers) -> None:
 
 def _add_top(sub: Subparsers) -> None:
     top = sub.add_parser("top", help="a live view of the replicas: load, tokens/s, TTFT, "
-                                     "GPU or CPU use; q quits")
+                                     "prefix-cache hits, GPU or CPU use, and routing on "
+                                     "KV events under kv-aware; q quits")
     _admin_client_flags(top)
     top.add_argument("--interval", type=float, default=2.0,
                      help="seconds between refreshes (default 2)")

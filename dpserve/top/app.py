@@ -23,7 +23,7 @@ from textual.widgets import DataTable, Static
 
 from dpserve.rollout.client import DEFAULT_ROUTER, AdminError, read_admin_key
 from dpserve.top.fetch import Refresh, RouterReader
-from dpserve.top.view import COLUMNS, cells, summary
+from dpserve.top.view import cells, columns, summary
 from dpserve.top.window import History
 
 FETCH_TIMEOUT_S = 5.0
@@ -49,6 +49,7 @@ class TopApp(App[int]):
         self._admin_key = admin_key
         self.interval_s = interval_s
         self.history = History()
+        self._columns: tuple[str, ...] = ()
 
     def compose(self) -> ComposeResult:
         yield Static(f"dpserve top · {self.url} · connecting…", id="header")
@@ -56,7 +57,7 @@ class TopApp(App[int]):
         yield Static("", id="problems")
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns(*COLUMNS)
+        self._set_columns(columns(kv_aware=False))
         self.run_worker(self._poll(), exclusive=True, exit_on_error=True)
 
     async def _poll(self) -> None:
@@ -68,20 +69,29 @@ class TopApp(App[int]):
                 self.show(await reader.read())
                 await asyncio.sleep(max(0.0, started + self.interval_s - time.monotonic()))
 
+    def _set_columns(self, headings: tuple[str, ...]) -> None:
+        """Redo the table's columns when they change (the router's policy did)."""
+        if headings != self._columns:
+            table = self.query_one(DataTable)
+            table.clear(columns=True)
+            table.add_columns(*headings)
+            self._columns = headings
+
     def show(self, refresh: Refresh) -> None:
         """Draw one refresh: new rows if it has a snapshot, else the last ones kept."""
         clock = time.strftime("%H:%M:%S")
         if refresh.snapshot is not None:
             self.history.add(refresh.snapshot)
-            rows = self.history.rows()
+            rows, kv = self.history.rows(), self.history.kv_summary()
             table = self.query_one(DataTable)
             table.clear()
+            self._set_columns(columns(kv_aware=kv is not None))
             for row in rows:
-                text = cells(row)
+                text = cells(row, kv_aware=kv is not None)
                 table.add_row(Text(text[0], style="bold"),
                               Text(text[1], style=STATE_STYLES.get(row.state, "")),
                               *text[2:], key=row.id)
-            head = f"{self.url} · {summary(rows, self.history.span_s)} · {clock}"
+            head = f"{self.url} · {summary(rows, self.history.span_s, kv)} · {clock}"
         else:
             head = f"{self.url} · no answer at {clock}"
         self.query_one("#header", Static).update(

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from dpserve.top.scrape import ScrapeError, parse_replicas
+from dpserve.top.scrape import ScrapeError, parse_replicas, parse_routing
 from dpserve.top.window import Snapshot
 
 KEY_HINT = "give it with --admin-key-file FILE or DPSERVE_ADMIN_KEY"
@@ -77,10 +77,11 @@ class RouterReader:
                 texts.append(resp.text)
         try:
             samples = parse_replicas(texts[0], texts[1])
+            routing = parse_routing(texts[0])
         except ScrapeError as exc:
             problems.append(str(exc))
-            samples = {}
-        return Refresh(Snapshot(at, replicas, samples), tuple(problems))
+            samples, routing = {}, None
+        return Refresh(Snapshot(at, replicas, samples, routing), tuple(problems))
 
     async def _get(self, path: str) -> httpx.Response | Exception:
         try:

@@ -4,6 +4,10 @@ Two texts feed it: the router's own `/metrics` (the device collectors of
 `dpserve.metrics`: `dpserve_gpu_*` on GPU replicas, `dpserve_replica_cpu_*` and
 `_memory_rss_bytes` on CPU ones, each labelled `replica`) and `/metrics/engines`
 (every replica's vLLM metrics, labelled `replica` by `dpserve.router.telemetry.federate`).
+When the router routes `kv-aware`, its `/metrics` also has the series of
+`dpserve.router.kv.metrics`: per replica what its KV index holds and how its event
+feed does (into the :class:`ReplicaSample`), and fleet-wide what the policy decided
+(a :class:`RoutingSample`, from :func:`parse_routing`).
 
 vLLM labels its series `model_name` and `engine` (several engines when one server
 runs data-parallel internally): counts, counters and histogram buckets are summed
@@ -19,12 +23,18 @@ not parse is a :class:`ScrapeError` and the view says which one failed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dpserve.router.fleet.engine_metrics import KV_CACHE_USAGE, RUNNING, WAITING
+from dpserve.router.fleet.engine_metrics import (
+    KV_CACHE_USAGE,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    RUNNING,
+    WAITING,
+)
 
 LABEL = "replica"
 """The label `dpserve.router.telemetry.federate` adds to engine samples and the device collectors
@@ -37,11 +47,24 @@ GPU_MEMORY_USED = "dpserve_gpu_memory_used_bytes"
 GPU_MEMORY_TOTAL = "dpserve_gpu_memory_total_bytes"
 CPU_UTILIZATION = "dpserve_replica_cpu_utilization_ratio"
 MEMORY_RSS = "dpserve_replica_memory_rss_bytes"
+KV_INDEX_BLOCKS = "dpserve_kv_index_blocks"
+KV_INDEX_STALE = "dpserve_kv_index_stale"
+KV_EVENTS_FOLLOWING = "dpserve_kv_events_following"
+KV_EVENT_GAPS = "dpserve_kv_event_gaps_total"
+KV_EVENT_RESYNCS = "dpserve_kv_event_resyncs_total"
+KV_DECISIONS = "dpserve_kv_routing_decisions_total"
+KV_ROUTED_TOKENS = "dpserve_kv_routed_tokens_total"
 
 _SUMMED = {RUNNING: "running", WAITING: "waiting", GENERATION_TOKENS: "generation_tokens",
+           PREFIX_CACHE_HITS + "_total": "prefix_cache_hits",
+           PREFIX_CACHE_QUERIES + "_total": "prefix_cache_queries",
            GPU_MEMORY_USED: "gpu_memory_used_bytes",
            GPU_MEMORY_TOTAL: "gpu_memory_total_bytes",
-           CPU_UTILIZATION: "cpu_utilization", MEMORY_RSS: "memory_rss_bytes"}
+           CPU_UTILIZATION: "cpu_utilization", MEMORY_RSS: "memory_rss_bytes",
+           # The router's, one sample per replica: the sum is that sample.
+           KV_INDEX_BLOCKS: "kv_index_blocks", KV_INDEX_STALE: "kv_index_stale",
+           KV_EVENTS_FOLLOWING: "kv_events_following", KV_EVENT_GAPS: "kv_event_gaps",
+           KV_EVENT_RESYNCS: "kv_event_resyncs"}
 
 
 class ScrapeError(ValueError):
@@ -71,6 +94,33 @@ class ReplicaSample:
     """CPU time per wall time per core the replica is bound to (CPU replicas)."""
     memory_rss_bytes: float | None = None
     """Resident memory of the replica's process tree (CPU replicas)."""
+    prefix_cache_hits: float | None = None
+    """Prompt tokens the engine found in its prefix cache since it started (a counter)."""
+    prefix_cache_queries: float | None = None
+    """Prompt tokens the engine looked up in its prefix cache (a counter)."""
+    kv_index_blocks: float | None = None
+    """KV-cache blocks the router's index knows the replica holds (`kv-aware`)."""
+    kv_index_stale: float | None = None
+    """1 while the replica missed event batches and scores no cached prefix, else 0."""
+    kv_events_following: float | None = None
+    """1 when the router follows the replica's KV events, 0 when the fallback routes it."""
+    kv_event_gaps: float | None = None
+    """Times its event batches arrived with numbers missing (a counter)."""
+    kv_event_resyncs: float | None = None
+    """Gaps the replay could not fill (a counter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSample:
+    """What `kv-aware` decided since the router started (its counters): present only
+    when the router runs that policy."""
+
+    decisions: Mapping[str, float]
+    """Requests placed, by basis: `events`, or a fallback's reason (`no_tokens`,
+    `no_events`). The router exports every basis from its start."""
+    routed_tokens: Mapping[str, float]
+    """Tokens of the requests placed on events, by kind: `prompt`, and of those `cached`
+    (the chosen replica held them: their ratio is the hit rate the router expects)."""
 
 
 @dataclass
@@ -116,6 +166,25 @@ def parse_replicas(router_text: str | None, engines_text: str | None
                 continue
             _add(acc.setdefault(replica, _Acc()), name, labels, value)
     return {replica: a.sample() for replica, a in acc.items()}
+
+
+def parse_routing(router_text: str | None) -> RoutingSample | None:
+    """`kv-aware`'s decisions from the router's `/metrics`; None when the text is missing
+    or the router does not route on KV events (it has no decision counter)."""
+    if router_text is None:
+        return None
+    decisions: dict[str, float] = {}
+    tokens: dict[str, float] = {}
+    for name, labels, value in samples(router_text, "/metrics"):
+        if math.isnan(value):
+            continue
+        if name == KV_DECISIONS and "basis" in labels:
+            decisions[labels["basis"]] = value
+        elif name == KV_ROUTED_TOKENS and "kind" in labels:
+            tokens[labels["kind"]] = value
+    if not decisions:
+        return None
+    return RoutingSample(decisions, tokens)
 
 
 def _add(a: _Acc, name: str, labels: dict[str, str], value: float) -> None:

@@ -7,7 +7,10 @@ import httpx
 
 from dpserve.replicas.launcher import free_port
 from dpserve.top.fetch import RouterReader
+from dpserve.top.view import cells, columns, summary
+from dpserve.top.window import History
 from tests.conftest import running_router
+from tests.fakes import MODEL
 from tests.waiting import wait_for
 
 ADMIN_KEY = "top-admin-key-0123456789"
@@ -25,6 +28,7 @@ async def test_a_refresh_has_every_replica_with_its_engine_figures(fake_replicas
     assert {r["weight_version"] for r in refresh.snapshot.replicas} <= {None, "default"}
     assert refresh.snapshot.samples["r0"].running == 0
     assert refresh.snapshot.samples["r1"].ttft_buckets[-1][1] == 0
+    assert refresh.snapshot.routing is None  # not kv-aware: no KV index column
 
 
 async def _ready(reader: RouterReader, n: int) -> object:
@@ -32,6 +36,37 @@ async def _ready(reader: RouterReader, n: int) -> object:
     snap = refresh.snapshot
     return refresh if snap is not None and sum(
         r["state"] == "ready" for r in snap.replicas) == n else None
+
+
+async def test_a_kv_aware_router_shows_its_index_column_and_decisions(fake_replicas):
+    a = await fake_replicas("a")  # offers no KV events: routed by the fallback
+    async with running_router([a.url], policy="kv-aware") as (base, _):
+        async with RouterReader(base, None) as reader:
+            first = await wait_for(lambda: _off(reader), "r0's events not followed")
+            async with httpx.AsyncClient(timeout=10) as client:
+                resp = await client.post(base + "/v1/completions",
+                                         json={"model": MODEL, "prompt": "hi"})
+                assert resp.status_code == 200
+            second = await reader.read()
+    assert first.snapshot is not None and second.snapshot is not None
+    assert first.snapshot.routing is not None and second.snapshot.routing is not None
+    # No tokenizer given: the request was placed by the fallback, for want of token ids.
+    assert second.snapshot.routing.decisions["no_tokens"] == (
+        first.snapshot.routing.decisions["no_tokens"] + 1)
+    history = History()
+    history.add(first.snapshot)
+    history.add(second.snapshot)
+    [row] = history.rows()
+    kv = history.kv_summary()
+    assert dict(zip(columns(kv_aware=True), cells(row, kv_aware=True), strict=True))[
+        "KV index"] == "off"
+    assert "kv-aware: 0% on events, hit - expected" in summary([row], history.span_s, kv)
+
+
+async def _off(reader: RouterReader) -> object:
+    refresh = await reader.read()
+    sample = refresh.snapshot.samples.get("r0") if refresh.snapshot is not None else None
+    return refresh if sample is not None and sample.kv_events_following == 0 else None
 
 
 async def test_a_router_that_wants_an_admin_key_says_so_and_how_to_give_it(fake_replicas):

@@ -26,10 +26,12 @@ DPSERVE = [sys.executable, "-m", "dpserve"]
 
 @contextlib.asynccontextmanager
 async def router_process(port: int, replicas: list[str], log: Path, *,
-                         admin_key: str | None = None) -> AsyncIterator[str]:
+                         admin_key: str | None = None, policy: str | None = None
+                         ) -> AsyncIterator[str]:
     """`dpserve router` on 127.0.0.1:`port` serving `base:fake-model`, its replicas all
     ready; stopped after."""
     args = [a for url in replicas for a in ("--replica", url)]
+    args += ["--policy", policy] if policy is not None else []
     model = log.parent / MODEL  # a model directory, as `--base-model` must name
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
@@ -114,6 +116,7 @@ async def test_top_shows_every_replica_live_and_q_quits(fake_replicas, tmp_path)
     async with router_process(free_port(), [a.url, b.url], tmp_path / "router.log") as base:
         with terminal(tmp_path, base) as term:
             screen = await shows(term, "r0", "r1", "2 replicas, 2 ready")
+            assert "prefix hit" in screen and "KV index" not in screen
             for replica in ("r0", "r1"):
                 assert row(screen, replica).split()[1:3] == ["ready", f"base:{MODEL}"]
             async with httpx.AsyncClient(timeout=10) as client:
@@ -122,6 +125,17 @@ async def test_top_shows_every_replica_live_and_q_quits(fake_replicas, tmp_path)
                 assert resp.status_code == 200
             # The fake's TTFT histogram counts that request under 0.1 s: p50 50 ms.
             screen = await shows(term, "50 ms", "99 ms")
+            await quits_cleanly(term)
+
+
+async def test_under_kv_aware_top_shows_the_kv_index_and_the_routing_summary(
+        fake_replicas, tmp_path):
+    a = await fake_replicas("a")  # offers no KV events: the router does not follow it
+    async with router_process(free_port(), [a.url], tmp_path / "router.log",
+                              policy="kv-aware") as base:
+        with terminal(tmp_path, base) as term:
+            screen = await shows(term, "KV index", "kv-aware: - on events", " off ")
+            assert row(screen, "r0").split()[-3:] == ["off", "-", "-"]  # then util, memory
             await quits_cleanly(term)
 
 
