@@ -25,12 +25,11 @@ def spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
 
 
 def report(pressure: float, replicas: int, convs: Mapping[int, Sequence[Conversation]],
-           cfgs: Mapping[int, SimConfig], runs: Mapping[str, list[Run]], *,
-           reset_at: float | None, window_s: float) -> None:
-    from benchmarks.routing.kv_study import working_set_blocks
-
+           cfgs: Mapping[int, SimConfig], working_sets: Mapping[int, int],
+           runs: Mapping[str, list[Run]], *, reset_at: float | None, window_s: float) -> None:
+    """The tables of one cache size: every mapping is by workload seed, `runs` by arm."""
     seeds = list(convs)
-    ws = [working_set_blocks(convs[s], cfgs[s].block_size) for s in seeds]
+    ws = [working_sets[s] for s in seeds]
     per = [cfgs[s].num_blocks for s in seeds]
     turns = [sum(len(c.turns) for c in convs[s]) for s in seeds]
     print(f"\n== working set / fleet KV cache = {pressure:g}; seeds {seeds}, "

@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   scrape_s=args.scrape_s, seed=s, kv_knobs=knobs)
                       for s in seeds]
                 for a in arms}
-        report(pressure, args.replicas, convs, cfgs, runs, reset_at=reset_at,
+        working_sets = {s: working_set_blocks(convs[s], cfgs[s].block_size) for s in seeds}
+        report(pressure, args.replicas, convs, cfgs, working_sets, runs, reset_at=reset_at,
                window_s=args.window_s)
     return 0
 
