@@ -56,7 +56,8 @@ from dpserve.router.fleet.pool import Replica, ReplicaState
 from dpserve.router.routing.policies import RequestInfo, make_policy
 from dpserve.router.routing.policies.prefix_affinity import PREFIX_LOAD_FACTOR
 from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
-from dpserve.sim.config import build_sim_config
+from dpserve.sim.config import SimConfig, build_sim_config
+from dpserve.sim.engine import SimSequence
 from dpserve.sim.tokenizer import encode
 
 PREFIX_CHARS = 256
@@ -147,13 +148,83 @@ class Home:
         return self.jsq.pick(len(self.reps))
 
 
+ARRIVAL, STEP_END, TICK = 0, 1, 2
+"""Order of events at one virtual instant: requests arrive, then steps end, then ticks
+(scrapes, windows) run."""
+
+
+class VirtualFleet:
+    """Engines stepping on one virtual clock: a heap of timed callbacks, each engine
+    step one of them. `at` schedules a callback, `send` queues a request on an
+    engine, `run` plays the heap out. The engines' clock is `now`."""
+
+    def __init__(self, cfg: SimConfig, replicas: int, *,
+                 on_kv_events: Callable[[int, list[Any]], None] | None = None,
+                 after_step: Callable[[int], None] | None = None) -> None:
+        """`on_kv_events(replica, events)`: each step's KV events, if given.
+        `after_step(replica)`: called when a step ends, before finished requests are
+        reported and the next step is scheduled (between two steps of that engine)."""
+        self.now = 0.0
+        engine_module._now = lambda: self.now  # the engines' clock becomes the virtual one
+        self.engines = [engine_module.Engine(
+            cfg, seed=i, on_kv_events=None if on_kv_events is None
+            else (lambda events, i=i: on_kv_events(i, events))) for i in range(replicas)]
+        self.after_step = after_step
+        self._heap: list[tuple[float, int, int, int, Callable[[], None]]] = []
+        self._count = 0
+        self._step: list[Any] = [None] * replicas
+        self._live: list[dict[int, tuple[SimSequence, Callable[[SimSequence], None]]]] = [
+            {} for _ in range(replicas)]
+        """Per replica: request key -> its engine sequence and what to call when it ends."""
+
+    def at(self, t: float, order: int, key: int, fn: Callable[[], None]) -> None:
+        """Call `fn` at virtual time `t`; equal times run by `order`, then `key`."""
+        self._count += 1
+        heapq.heappush(self._heap, (t, order, key, self._count, fn))
+
+    def stepping(self, r: int) -> bool:
+        """Whether engine `r` has a step in flight."""
+        return self._step[r] is not None
+
+    def send(self, r: int, key: int, ids: Sequence[int], max_tokens: int,
+             done: Callable[[SimSequence], None]) -> SimSequence:
+        """Queue a request on engine `r` now; `done(seq)` when it finishes."""
+        seq = self.engines[r].add(ids, max_tokens)
+        self._live[r][key] = (seq, done)
+        self._kick(r)
+        return seq
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, _, _, fn = heapq.heappop(self._heap)
+            fn()
+
+    def _kick(self, r: int) -> None:
+        e = self.engines[r]
+        if self._step[r] is None and (e.running or e.waiting):
+            batch, seconds = e._schedule()
+            self._step[r] = batch
+            self.at(self.now + seconds, STEP_END, r, lambda: self._step_end(r))
+
+    def _step_end(self, r: int) -> None:
+        e = self.engines[r]
+        e._finish_step(self._step[r], self.now)
+        self._step[r] = None
+        if self.after_step is not None:
+            self.after_step(r)
+        e.publish_kv_events()
+        for key, (seq, done) in list(self._live[r].items()):
+            if seq.finished:
+                del self._live[r][key]
+                done(seq)
+        self._kick(r)
+
+
 def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals_seed: int = 0,
              num_prompts: int = 400, replicas: int = 8, load_factor: float | None = None,
              scrape_s: float = 1.0) -> dict[str, float]:
     cfg = build_sim_config({}, fleet.SIM_CONFIG)
-    now = [0.0]
-    engine_module._now = lambda: now[0]  # the engines' clock becomes the virtual one
-    engines = [engine_module.Engine(cfg, seed=i) for i in range(replicas)]
+    vf = VirtualFleet(cfg, replicas)
     reps = [Replica(id=f"r{i}", url=f"sim://{i}", state=ReplicaState.READY)
             for i in range(replicas)]
     loads = [Load() for _ in range(replicas)]
@@ -161,63 +232,48 @@ def simulate(workload: str, rate: float, policy: str, *, seed: int = 0, arrivals
     ids = [encode(r.prompt) for r in reqs]
     gaps = np.random.default_rng(arrivals_seed).exponential(1 / rate, num_prompts)
     arrivals = np.cumsum(gaps) * (num_prompts / rate) / gaps.sum()  # as loadtest rescales
-    choose = _chooser(policy, reps, loads, random.Random(seed), load_factor, lambda: now[0])
-
-    events: list[tuple[float, int, int]] = [(float(t), 0, i) for i, t in enumerate(arrivals)]
-    if policy == "engine-load":
-        events += [(k * scrape_s, 2, -1) for k in range(1, int(arrivals[-1] / scrape_s) + 2)]
-    heapq.heapify(events)
-    step: list[Any] = [None] * replicas
-    live: list[dict[int, Any]] = [{} for _ in range(replicas)]
-    """Per replica: request index -> its engine sequence, until it finishes."""
-    sent: dict[int, float] = {}
+    choose = _chooser(policy, reps, loads, random.Random(seed), load_factor, lambda: vf.now)
     ttft: dict[int, float] = {}
 
-    def kick(r: int) -> None:
-        e = engines[r]
-        if step[r] is None and (e.running or e.waiting):
-            batch, seconds = e._schedule()
-            step[r] = batch
-            heapq.heappush(events, (now[0] + seconds, 1, r))
+    def arrive(x: int) -> None:
+        req, sent = reqs[x], vf.now
+        r = choose(req)
+        reps[r].in_flight += 1
+        loads[r].prompt_tokens += req.prompt_tokens
+        loads[r].output_tokens += req.output_tokens
 
-    while events:
-        now[0], kind, x = heapq.heappop(events)
-        if kind == 2:
-            for i, e in enumerate(engines):
-                reps[i].engine = EngineLoad(num_requests_running=e.num_running,
-                                            num_requests_waiting=e.num_waiting,
-                                            kv_cache_usage_perc=e.kv_cache_usage)
-                reps[i].engine_scraped_at = now[0]
-                reps[i].engine_in_flight_at_scrape = reps[i].in_flight
-        elif kind == 0:
-            req = reqs[x]
-            r = choose(req)
-            reps[r].in_flight += 1
-            loads[r].prompt_tokens += req.prompt_tokens
-            loads[r].output_tokens += req.output_tokens
-            live[r][x], sent[x] = engines[r].add(ids[x], req.output_tokens), now[0]
-            kick(r)
-        else:
-            engines[x]._finish_step(step[x], now[0])
-            step[x] = None
-            for i, seq in list(live[x].items()):
-                if i not in ttft and seq.first_token_at is not None:
-                    ttft[i] = seq.first_token_at - sent[i]
-                if seq.finished:
-                    del live[x][i]
-                    reps[x].in_flight -= 1
-                    loads[x].prompt_tokens -= reqs[i].prompt_tokens
-                    loads[x].output_tokens -= reqs[i].output_tokens
-            kick(x)
+        def done(seq: SimSequence) -> None:
+            assert seq.first_token_at is not None
+            ttft[x] = seq.first_token_at - sent
+            reps[r].in_flight -= 1
+            loads[r].prompt_tokens -= req.prompt_tokens
+            loads[r].output_tokens -= req.output_tokens
+
+        vf.send(r, x, ids[x], req.output_tokens, done)
+
+    def scrape() -> None:
+        for rep, e in zip(reps, vf.engines, strict=True):
+            rep.engine = EngineLoad(num_requests_running=e.num_running,
+                                    num_requests_waiting=e.num_waiting,
+                                    kv_cache_usage_perc=e.kv_cache_usage)
+            rep.engine_scraped_at = vf.now
+            rep.engine_in_flight_at_scrape = rep.in_flight
+
+    for i, t in enumerate(arrivals):
+        vf.at(float(t), ARRIVAL, i, lambda i=i: arrive(i))
+    if policy == "engine-load":
+        for k in range(1, int(arrivals[-1] / scrape_s) + 2):
+            vf.at(k * scrape_s, TICK, -1, scrape)
+    vf.run()
 
     t = np.array([ttft[i] for i in range(num_prompts)]) * 1e3
-    stats = [e.stats for e in engines]
+    stats = [e.stats for e in vf.engines]
     finished = np.array([s.requests_finished for s in stats])
     queries = sum(s.prefix_cache_queries for s in stats)
     return {"ttft_p50_ms": float(np.median(t)), "ttft_p99_ms": float(np.percentile(t, 99)),
             "hit_rate": sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
             "spread": float(finished.max() / finished.mean()),
-            "output_tok_s": sum(r.output_tokens for r in reqs) / now[0],
+            "output_tok_s": sum(r.output_tokens for r in reqs) / vf.now,
             "preemptions": float(sum(s.preemptions for s in stats))}
 
 

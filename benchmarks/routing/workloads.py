@@ -1,4 +1,5 @@
-"""The three workloads of ``quality.py``, written as JSONL prompt files.
+"""The three workloads of ``quality.py``, written as JSONL prompt files, and the
+multi-turn chat of ``kv_study.py`` (`chat`), whose turns wait on the answers before them.
 
 Prompts are spelled with the simulator's tokenizer (``dpserve.sim.tokenizer``):
 ``decode(ids)`` gives one two-character piece per id, so a prompt built from
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpserve.sim.tokenizer import VOCAB_SIZE, decode
+from dpserve.sim.tokenizer import VOCAB_SIZE, decode, output_ids
 
 WORKLOADS = ("uniform", "heavy-tail", "tenants")
 
@@ -35,6 +36,14 @@ TENANTS, TENANT_SYSTEM_TOKENS = 32, 2000
 TENANT_QUESTION = (20, 100)
 """Unique question after the system prompt: uniform in [20, 100) tokens."""
 TENANT_OUTPUT = (64, 160)
+CHAT_SYSTEM = (1000, 2000)
+"""Each conversation's own system prompt: uniform in [1000, 2000) tokens."""
+CHAT_TURNS = (4, 9)
+CHAT_USER = (20, 120)
+"""A user message: uniform in [20, 120) tokens."""
+CHAT_ANSWER = (64, 256)
+CHAT_THINK_S = 8.0
+"""Mean of the exponential time between an answer's last token and the next message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +52,50 @@ class Request:
     prompt_tokens: int
     output_tokens: int
     user: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    ids: list[int]
+    """The whole prompt, as token ids: the system prompt, every earlier message and
+    answer, then the new message."""
+    output_tokens: int
+    think_s: float
+    """From the previous answer's last token to this message (for the first turn, from
+    the conversation's start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    start_s: float
+    turns: list[Turn]
+
+    def context_tokens(self) -> int:
+        """Tokens of the last prompt and its answer: what the conversation ends up caching."""
+        return len(self.turns[-1].ids) + self.turns[-1].output_tokens
+
+
+def chat(n: int, *, seed: int, start_window_s: float, think_s: float = CHAT_THINK_S
+         ) -> list[Conversation]:
+    """`n` conversations starting uniformly at random within `start_window_s`, each with
+    its own system prompt and 4 to 8 turns. A turn's prompt is the previous prompt, the
+    simulated model's answer to it (`output_ids`: the ids the engine generates, whose
+    blocks it caches) and a new message, so a turn that lands where the conversation
+    was served finds all of it but the new message cached."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for start in np.sort(rng.uniform(0, start_window_s, n)).tolist():
+        ids = rng.integers(0, VOCAB_SIZE, size=int(rng.integers(*CHAT_SYSTEM))).tolist()
+        turns: list[Turn] = []
+        for k in range(int(rng.integers(*CHAT_TURNS))):
+            if turns:
+                ids = [*ids, *output_ids(ids, 0, turns[-1].output_tokens)]
+            ids = [*ids, *rng.integers(0, VOCAB_SIZE, size=int(rng.integers(*CHAT_USER)))
+                   .tolist()]
+            turns.append(Turn(ids, int(rng.integers(*CHAT_ANSWER)),
+                              0.0 if k == 0 else float(rng.exponential(think_s))))
+        out.append(Conversation(start, turns))
+    return out
 
 
 def build(name: str, n: int, *, seed: int, max_model_len: int) -> list[Request]:

@@ -140,6 +140,8 @@ class Engine:
         """Factor on every step's time (fault injection: a slow replica)."""
         self._rng = random.Random(config.seed if seed is None else seed)
         self._work = asyncio.Event()
+        self._step_in_flight = False
+        """Between `_schedule` and `_finish_step`: the batch's tokens are being computed."""
 
     @property
     def num_running(self) -> int:
@@ -196,9 +198,34 @@ class Engine:
             self.stats.timing_error.observe(abs(late))
             clock = deadline if late < RESYNC_S else _now()
             self._finish_step(batch, clock)
-            if self._kv_events and self._on_kv_events is not None:
-                events, self._kv_events = self._kv_events, []
-                self._on_kv_events(events)
+            self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV events recorded since the last call to `on_kv_events`, if any.
+        `run()` calls it after every step; a caller that steps the engine itself (the
+        virtual-clock benchmarks) calls it after each `_finish_step`."""
+        if self._kv_events and self._on_kv_events is not None:
+            events, self._kv_events = self._kv_events, []
+            self._on_kv_events(events)
+
+    def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block, as vLLM's `POST /reset_prefix_cache` does after a
+        weight reload. False, and nothing changed, while a running sequence holds blocks,
+        unless `reset_running_requests`: then every running sequence is preempted first,
+        newest first so they run again in their order, and recomputes what it had (its KV
+        came from the old weights). `AllBlocksCleared` goes out with the next step's
+        events, as vLLM publishes it. Only between steps, where vLLM's engine core serves
+        it too: RuntimeError while a step is in flight."""
+        if self._step_in_flight:
+            raise RuntimeError("reset_prefix_cache while a step is in flight")
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self._on_kv_events is not None:
+            self._kv_events.append(kv_events.AllBlocksCleared())
+        return True
 
     def _schedule(self) -> tuple[list[tuple[SimSequence, int]], float]:
         """Pick this step's work (steps 1 and 2 of the module docstring) and its time."""
@@ -229,6 +256,7 @@ class Engine:
             n = min(seq.num_tokens - seq.num_computed, budget)
             batch.append((seq, n))
             budget -= n
+        self._step_in_flight = True
         return batch, self._step_time(batch)
 
     def _admit(self, seq: SimSequence, budget: int) -> bool:
@@ -270,6 +298,7 @@ class Engine:
 
     def _finish_step(self, batch: list[tuple[SimSequence, int]], now: float) -> None:
         """Step 4 of the module docstring."""
+        self._step_in_flight = False
         self.stats.steps += 1
         bs = self.config.block_size
         done: list[SimSequence] = []

@@ -9,9 +9,9 @@ real vLLM (`dpserve/router/kv/events.py` decodes it and documents the format):
   before them (None for a prompt's first block), their token ids, `block_size`,
   `medium="GPU"`, `group_idx=0` (one KV-cache group), no LoRA;
 - `BlockRemoved` for each block evicted, one event per block, as vLLM sends them;
-- `AllBlocksCleared` is defined for the format but never sent: the simulator has no
-  prefix-cache reset or weight reload. A replica that stops and starts again is a new
-  publisher, numbering its batches from 0 again, which a subscriber takes as a restart.
+- `AllBlocksCleared` after `Engine.reset_prefix_cache` (a weight reload's reset), with
+  the next step's events. A replica that stops and starts again is a new publisher,
+  numbering its batches from 0 again, which a subscriber takes as a restart.
 
 The structs below mirror vLLM's (`vllm/distributed/kv_events.py`) field for field, in
 the same order and with the same options (the batch an array, events maps tagged by

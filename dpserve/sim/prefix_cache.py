@@ -111,3 +111,15 @@ class BlockPool:
             if refs == 0:
                 self._evictable[h] = None
         self._free_unnamed += unnamed
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block's hash, as vLLM's pool does when its prefix cache is reset
+        (after a weight reload, whose KV would differ). False, and nothing changed, while
+        a sequence holds any block: its KV is in use. Evictions are not reported one by
+        one: the engine reports the reset as a whole (`AllBlocksCleared`)."""
+        if self.num_used:
+            return False
+        self._refs.clear()
+        self._evictable.clear()
+        self._free_unnamed = self.num_blocks
+        return True

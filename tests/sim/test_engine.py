@@ -153,3 +153,23 @@ async def test_slowdown_stretches_every_step():
         await finish(seq)
     modelled = 3 * (FAST.step_base_s + FAST.prefill_per_token_s * 100)
     assert ttft(seq) == pytest.approx(modelled, abs=TOLERANCE_S)
+
+
+def test_a_reset_preempts_running_sequences_which_then_recompute_everything():
+    # Stepped by hand, as the virtual-clock benchmarks step it: a reset is served
+    # between two steps, never while one is in flight.
+    engine = Engine(FAST)
+    seq = engine.add(list(range(64)), max_tokens=10)
+    batch, _ = engine._schedule()
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.reset_prefix_cache(reset_running_requests=True)
+    engine._finish_step(batch, 1.0)
+    assert engine.pool.num_cached == 4
+    assert not engine.reset_prefix_cache()  # the running sequence holds its blocks
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    assert (engine.running, list(engine.waiting)) == ([], [seq])
+    assert (engine.pool.num_cached, engine.pool.num_used, engine.stats.preemptions) == (0, 0, 1)
+    batch, _ = engine._schedule()
+    assert batch == [(seq, 65)]  # the prompt and the token emitted, nothing cached
+    engine._finish_step(batch, 2.0)
+    assert seq.output_count == 2 and seq.num_cached == 0

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve.config import ConfigError
-from dpserve.router.kv.events import END_SEQ, Batch, Removed, Stored, decode
+from dpserve.router.kv.events import END_SEQ, Batch, Cleared, Removed, Stored, decode
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.kv.sources import parse_sources
 from dpserve.sim import Fleet, SimReplica, tokenizer
@@ -306,3 +306,24 @@ async def test_a_replica_started_alone_publishes_on_ports_the_os_picks():
             await subscribe(ctx, s, replica.url)  # fails unless events arrive
     finally:
         await replica.stop()
+
+
+async def test_a_prefix_cache_reset_sends_all_blocks_cleared_and_the_index_forgets_all():
+    first, second = list(range(4 * BS)), list(range(1000, 1000 + 2 * BS))
+    batches: list[list[Any]] = []
+    async with running_engine(EVENTS, on_kv_events=batches.append) as engine:
+        await engine.add(first, max_tokens=1).wait_beyond(0)
+        assert engine.reset_prefix_cache()  # idle: between steps
+        assert len(batches) == 1  # the clear goes out with the next step, as vLLM's does
+        await engine.add(second, max_tokens=1).wait_beyond(0)
+    payloads = [msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events, data_parallel_rank=0))
+                for events in batches]
+    decoded = [decode([b"kv", i.to_bytes(8, "big"), p]) for i, p in enumerate(payloads)]
+    assert isinstance(decoded[1].events[0], Cleared)
+    assert [type(e) for e in decoded[1].events[1:]] == [Stored]
+    index = KVIndex()
+    assert index.apply("r0", 0, decoded[0].events) is None
+    assert index.match(first, None, BS) == {"r0": 4}
+    assert index.apply("r0", 1, decoded[1].events) is None
+    assert index.match(first, None, BS) == {"r0": 0}
+    assert index.match(second, None, BS) == {"r0": 2}

@@ -71,3 +71,17 @@ def test_a_block_computed_twice_is_cached_once():
     assert pool.name(h) and not pool.name(h)
     pool.release([h], 1)
     assert (pool.num_cached, pool.num_free) == (1, 4)
+
+
+def test_a_reset_forgets_every_cached_block_but_not_while_one_is_held():
+    evicted: list[int] = []
+    pool = BlockPool(4, on_evict=evicted.append)
+    hashes = block_hashes(list(range(48)), 16)
+    assert pool.allocate(3) and all(pool.name(h) for h in hashes)
+    assert not pool.reset_prefix_cache()  # a running sequence's KV
+    assert pool.match(hashes) == 3
+    pool.release(hashes, 0)
+    assert pool.reset_prefix_cache()
+    assert (pool.match(hashes), pool.num_cached, pool.num_free) == (0, 0, 4)
+    assert pool.allocate(4)
+    assert evicted == []  # a reset is reported whole, not block by block
