@@ -54,6 +54,7 @@ KV_LOAD_FACTOR = 3.0
 ENGINE_REPORT_MAX_AGE_S = 10.0
 """An engine report older than this is not believed: the router's own count is used."""
 
+
 def engine_queue(replica: Replica, now: float, max_age_s: float = ENGINE_REPORT_MAX_AGE_S
                  ) -> float:
     """Requests queued on `replica` (running and waiting): its engine's last report
