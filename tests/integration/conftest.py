@@ -108,11 +108,9 @@ def otlp() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="session")
 def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
                otlp: OtlpReceiver) -> Iterator[Deployment]:
-    """With tracing on, so every fault test runs with it too (spans leave every 0.5 s),
-    and routing on the engines' KV events (`kv-aware`), so every test runs through it."""
+    """With tracing on, so every fault test runs with it too (spans leave every 0.5 s)."""
     d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve"), replicas=2,
-                         serve_args=("--otlp-traces-endpoint", otlp.url,
-                                     "--policy", "kv-aware"),
+                         serve_args=("--otlp-traces-endpoint", otlp.url),
                          env={"OTEL_BSP_SCHEDULE_DELAY": "500"})
     yield d
     d.stop()

@@ -5,10 +5,13 @@ prefix-cache hits the engines report."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import httpx
 import pytest
 
-from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
+from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric, start_deployment
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -16,6 +19,15 @@ pytestmark = pytest.mark.vllm
 SYSTEM = " ".join(f"Rule {i}: be kind to the number {i}." for i in range(25))
 """About 300 tokens: two of the CPU engine's 128-token blocks, and room for 4 turns in
 the tiny model's 1024-token context."""
+
+
+@pytest.fixture(scope="module")
+def kv_deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Deployment]:
+    d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve-kv"), replicas=2,
+                         serve_args=("--policy", "kv-aware"))
+    yield d
+    d.stop()
 
 
 def router_metric(d: Deployment, name: str, **labels: str) -> float:
@@ -31,7 +43,8 @@ def engine_hits(d: Deployment) -> float:
                for _, port in d.replicas().values())
 
 
-def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(deployment):
+def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(kv_deployment):
+    deployment = kv_deployment
     wait_for_sync(lambda: router_metric(deployment, "dpserve_kv_events_following") == 2,
                   "the router following both engines' KV events", within_s=60)
     cached_before = router_metric(deployment, "dpserve_kv_routed_tokens_total", kind="cached")

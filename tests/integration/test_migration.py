@@ -223,8 +223,8 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
             got = streamed(deployment, body)
         wait_for_sync(lambda: state(deployment, "r0") == state(deployment, "r1") == "ready",
                       "both replicas back in rotation", within_s=60)
-        if pause.caught:
-            break
+        if pause.caught or got["seams"]:  # a stream that moved was caught, whatever
+            break                         # the engine's gauge said when it paused
     else:
         pytest.fail(f"the stream ended before its engine was paused, {TRIES} times")
     assert moved and moved[0]["moved_streams"] == 1, moved
@@ -246,8 +246,8 @@ def test_a_stream_whose_engine_stalls_moves_after_the_idle_timeout_and_ends_exac
     for _ in range(TRIES):
         with paused_mid_stream(deployment) as pause:
             got = streamed(deployment, body)
-        if pause.caught:
-            break
+        if pause.caught or got["seams"]:  # a stream that moved was caught, whatever
+            break                         # the engine's gauge said when it paused
     else:
         pytest.fail(f"the stream ended before its engine was paused, {TRIES} times")
     assert [(s["from"], s["to"], s["reason"]) for s in got["seams"]] == [

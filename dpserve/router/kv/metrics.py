@@ -49,10 +49,15 @@ class KVCollector(Collector):
         gaps = CounterMetricFamily("dpserve_kv_event_gaps",
                                    "Times a replica's event batches arrived with numbers "
                                    "missing.", labels=["replica"])
-        for rid, st in sorted(self._index.stats().items(), key=lambda kv: str(kv[0])):
-            blocks.add_metric([str(rid)], st.blocks)
-            stale.add_metric([str(rid)], 1.0 if st.stale else 0.0)
-            gaps.add_metric([str(rid)], st.gaps)
+        known = {str(rid): st for rid, st in self._index.stats().items()}
+        # Every followed replica from the start, at 0 until its first batch: a series
+        # that appears only at its first event is invisible to rate() at that event.
+        following = {rid for rid, status in self._status().items() if status == "following"}
+        for rid in sorted(set(known) | following):
+            st = known.get(rid)
+            blocks.add_metric([rid], st.blocks if st is not None else 0)
+            stale.add_metric([rid], 1.0 if st is not None and st.stale else 0.0)
+            gaps.add_metric([rid], st.gaps if st is not None else 0)
         return [blocks, stale, gaps]
 
     def _feed_series(self) -> Iterable[Metric]:

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -65,13 +65,16 @@ class FeedStats:
     """Messages that could not be decoded, skipped."""
     last_at: float | None = None
     """`time.monotonic()` when the last batch was applied."""
+    since: float = field(default_factory=time.monotonic)
+    """When the replica began to be followed."""
     delay_s: float | None = None
     """The last batch's time from its publisher's clock to being applied."""
 
     @property
-    def lag_s(self) -> float | None:
-        """Seconds since the last batch was applied (an idle engine publishes none)."""
-        return None if self.last_at is None else time.monotonic() - self.last_at
+    def lag_s(self) -> float:
+        """Seconds since the last batch was applied, or since the replica began to be
+        followed if none was (an idle engine publishes none)."""
+        return time.monotonic() - (self.last_at if self.last_at is not None else self.since)
 
 
 class Subscriber:

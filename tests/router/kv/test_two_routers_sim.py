@@ -51,6 +51,13 @@ async def test_each_turn_goes_where_the_conversation_is_cached_whichever_router_
         for url in routers:
             await wait_for(lambda u=url: followed(s, u, 4),
                            what="each router following every replica's events")
+        async with s.get(routers[0] + "/metrics") as resp:  # before any event: from 0
+            first = await resp.text()
+        for name in ("dpserve_kv_index_blocks", "dpserve_kv_event_gaps_total",
+                     "dpserve_kv_event_lag_seconds", "dpserve_kv_event_resyncs_total"):
+            assert {sample.labels["replica"] for family in text_string_to_metric_families(
+                first) for sample in family.samples if sample.name == name} == {
+                "r0", "r1", "r2", "r3"}, name
         for conversation in range(3):
             history = [{"role": "system", "content": f"{conversation} {SYSTEM}"}]
             served = []
