@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric, start_deployment
+from tests.router.telemetry.test_series import KV_SERIES, sample_names
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -47,6 +48,8 @@ def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(kv_depl
     deployment = kv_deployment
     wait_for_sync(lambda: router_metric(deployment, "dpserve_kv_events_following") == 2,
                   "the router following both engines' KV events", within_s=60)
+    first = httpx.get(deployment.base_url + "/metrics", timeout=10).text
+    assert set(KV_SERIES) <= sample_names(first)  # every series the dashboard reads
     cached_before = router_metric(deployment, "dpserve_kv_routed_tokens_total", kind="cached")
     hits_before = engine_hits(deployment)
     turns: dict[int, list[str]] = {}

@@ -8,7 +8,13 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Deployment
-from tests.router.telemetry.test_series import GPU_SERIES, PROCESS_SERIES, missing, sample_names
+from tests.router.telemetry.test_series import (
+    GPU_SERIES,
+    KV_SERIES,
+    PROCESS_SERIES,
+    missing,
+    sample_names,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -20,4 +26,6 @@ def test_a_started_deployment_has_every_series_the_dashboard_and_rules_read(
     # processes: one of the two sets, never both.
     has_gpus = bool(set(GPU_SERIES) & sample_names(text))
     assert has_gpus != bool(set(PROCESS_SERIES) & sample_names(text))
-    assert missing(text, PROCESS_SERIES if has_gpus else GPU_SERIES) == set()
+    # The shared deployment routes with the default policy: no `kv-aware` series
+    # (tests/integration/test_kv_routing.py checks those on a kv-aware deployment).
+    assert missing(text, {**(PROCESS_SERIES if has_gpus else GPU_SERIES), **KV_SERIES}) == set()
