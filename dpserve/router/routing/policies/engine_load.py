@@ -4,8 +4,29 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from dpserve.router.fleet.engine_metrics import EngineLoad
 from dpserve.router.fleet.pool import Replica
 from dpserve.router.routing.policies.base import RequestInfo
+
+
+def fresh_report(replica: Replica, now: float, max_age_s: float) -> EngineLoad | None:
+    """The engine's last report of its load, if it has one no older than `max_age_s`
+    that counts its requests; None otherwise (the router's own count must do)."""
+    load, at = replica.engine, replica.engine_scraped_at
+    if load is None or at is None or now - at > max_age_s or load.num_requests is None:
+        return None
+    return load
+
+
+def engine_queue(replica: Replica, now: float, max_age_s: float) -> float:
+    """Requests queued on `replica` (running and waiting): its engine's last report
+    plus the router's in-flight change since, never below the router's own in-flight
+    count; that count alone when the report is missing or stale (`fresh_report`)."""
+    load = fresh_report(replica, now, max_age_s)
+    if load is None or load.num_requests is None:
+        return float(replica.in_flight)
+    since = replica.in_flight - replica.engine_in_flight_at_scrape
+    return float(max(load.num_requests + since, replica.in_flight))
 
 
 class EngineLoadPolicy:
@@ -48,14 +69,11 @@ class EngineLoadPolicy:
 
     def score(self, replica: Replica, now: float) -> float:
         """Estimated load of `replica` at `now`; lower is better."""
-        load = replica.engine
-        fresh = (load is not None and replica.engine_scraped_at is not None
-                 and now - replica.engine_scraped_at <= self.max_age_s)
-        if load is None or not fresh or load.num_requests is None:
+        load = fresh_report(replica, now, self.max_age_s)
+        if load is None:
             return float(replica.in_flight)
-        since_scrape = replica.in_flight - replica.engine_in_flight_at_scrape
-        queue = max(load.num_requests + since_scrape, replica.in_flight)
-        return (queue + self.waiting_weight * (load.num_requests_waiting or 0)
+        return (engine_queue(replica, now, self.max_age_s)
+                + self.waiting_weight * (load.num_requests_waiting or 0)
                 + self.kv_weight * (load.kv_cache_usage_perc or 0.0))
 
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:

@@ -40,6 +40,7 @@ from dpserve.router.fleet.pool import Replica
 from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.routing.policies.base import Policy, RequestInfo
+from dpserve.router.routing.policies.engine_load import engine_queue
 from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
 
 KV_LOAD_WEIGHT = 0.15
@@ -53,19 +54,6 @@ KV_LOAD_FACTOR = 3.0
 """The bounded-load cap, as prefix affinity's (benchmarks/routing/README.md)."""
 ENGINE_REPORT_MAX_AGE_S = 10.0
 """An engine report older than this is not believed: the router's own count is used."""
-
-
-def engine_queue(replica: Replica, now: float, max_age_s: float = ENGINE_REPORT_MAX_AGE_S
-                 ) -> float:
-    """Requests queued on `replica` (running and waiting): its engine's last report
-    plus the router's in-flight change since, never below the router's own in-flight
-    count; that count alone when the engine never reported or its report is stale."""
-    load = replica.engine
-    at = replica.engine_scraped_at
-    if load is None or at is None or now - at > max_age_s or load.num_requests is None:
-        return float(replica.in_flight)
-    since = replica.in_flight - replica.engine_in_flight_at_scrape
-    return float(max(load.num_requests + since, replica.in_flight))
 
 
 class KVAware:
@@ -103,7 +91,8 @@ class KVAware:
         now = self._clock()
         prompt = len(tokens)
         costs = {r.id: (1.0 - min(held.get(r.id, 0), prompt) / prompt)
-                 + self.load_weight * engine_queue(r, now) for r in open_}
+                 + self.load_weight * engine_queue(r, now, ENGINE_REPORT_MAX_AGE_S)
+                 for r in open_}
         best = min(costs.values())
         tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
         chosen = self._spread.least(tied) if len(tied) > 1 else tied[0]

@@ -12,7 +12,8 @@ from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.kv.events import Cleared, Stored
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.routing.policies import PrefixAffinity, RequestInfo, make_policy
-from dpserve.router.routing.policies.kv_aware import KVAware, engine_queue
+from dpserve.router.routing.policies.engine_load import engine_queue
+from dpserve.router.routing.policies.kv_aware import ENGINE_REPORT_MAX_AGE_S, KVAware
 from tests.router.routing.policies.fakes import replicas
 
 BS = 4
@@ -77,14 +78,15 @@ def test_the_load_is_the_engines_own_count_which_every_router_sees():
     stored(index, "r1", 4)
     scraped(busy, running=6)
     scraped(idle, running=0)
-    assert engine_queue(busy, 100.0) == 6.0 and engine_queue(idle, 100.0) == 0.0
+    assert engine_queue(busy, 100.0, ENGINE_REPORT_MAX_AGE_S) == 6.0
+    assert engine_queue(idle, 100.0, ENGINE_REPORT_MAX_AGE_S) == 0.0
     assert policy(index).select([busy, idle], request()).id == "r1"
 
 
 def test_a_stale_engine_report_counts_the_routers_own_in_flight():
     (r,) = replicas(2)
     scraped(r, running=9, at=50.0)
-    assert engine_queue(r, 100.0) == 2.0  # 50 s old: not believed
+    assert engine_queue(r, 100.0, ENGINE_REPORT_MAX_AGE_S) == 2.0  # 50 s old: not believed
 
 
 def test_a_block_cached_under_another_adapter_is_no_hit():
