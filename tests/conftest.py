@@ -25,6 +25,8 @@ async def running_router(urls: list[str], **settings: object) -> AsyncIterator[R
     config = RouterConfig(**{"health_interval_s": 0.2, **settings})  # type: ignore[arg-type]
     pool = ReplicaPool([Replica(id=f"r{i}", url=u) for i, u in enumerate(urls)])
     async with serving(Router(pool, config, open_tokenizer=open_named)) as running:
+        if running[1].kv is not None:  # its tokenizer loads in the background
+            await asyncio.wait_for(running[1].kv.tokenizer_settled.wait(), 60)
         yield running
 
 

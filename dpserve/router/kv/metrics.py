@@ -27,8 +27,10 @@ class KVCollector(Collector):
     (`KVEventFeeds.status`), `feed_stats` its subscriber's counters."""
 
     def __init__(self, index: KVIndex, status: Callable[[], Mapping[str, str]],
-                 routing: KVRoutingStats, feed_stats: Callable[[], Mapping[str, Any]]) -> None:
+                 routing: KVRoutingStats, feed_stats: Callable[[], Mapping[str, Any]], *,
+                 tokenizer_ready: Callable[[], bool] = lambda: True) -> None:
         self._index = index
+        self._tokenizer_ready = tokenizer_ready
         self._status = status
         self._routing = routing
         self._feed_stats = feed_stats
@@ -97,6 +99,12 @@ class KVCollector(Collector):
 
     def _routing_series(self) -> Iterable[Metric]:
         r = self._routing
+        ready = GaugeMetricFamily(
+            "dpserve_kv_tokenizer_ready",
+            "1 once the prompt tokenizer is loaded; 0 while it loads (in the background, "
+            "seconds) or when it could not be: requests are then placed by the fallback "
+            "policy, counted as no_tokens.")
+        ready.add_metric([], 1.0 if self._tokenizer_ready() else 0.0)
         decisions = CounterMetricFamily(
             "dpserve_kv_routing_decisions",
             "Requests placed by `kv-aware`: on the engines' KV events, or by the fallback "
@@ -121,4 +129,4 @@ class KVCollector(Collector):
             "dpserve_kv_cached_prefix_tokens",
             "Per request placed on events: the chosen replica's cached-prefix length.",
             buckets=buckets, sum_value=r.cached_tokens)
-        return [decisions, tokens, histogram]
+        return [ready, decisions, tokens, histogram]

@@ -9,6 +9,7 @@ the log says once at start and `/metrics` counts per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -53,34 +54,61 @@ class KVRouting:
         self._tokenizer_source = config.tokenizer
         self._open_tokenizer = open_tokenizer
         self._tokenizer: PromptTokens | None = None
+        self._loading: asyncio.Task[None] | None = None
+        self.tokenizer_settled = asyncio.Event()
+        """Set once loading the tokenizer ended, loaded or not (or none is set)."""
+        self._closed = False
 
     def register(self, registry: CollectorRegistry, routing: KVRoutingStats) -> None:
-        registry.register(KVCollector(self.index, lambda: self.feeds.status, routing,
-                                      self.subscriber.stats))
+        registry.register(KVCollector(
+            self.index, lambda: self.feeds.status, routing, self.subscriber.stats,
+            tokenizer_ready=lambda: self._tokenizer is not None))
 
     async def start(self) -> None:
-        """Load the tokenizer (off the loop: a large one takes seconds), then follow the
-        ready replicas' events."""
+        """Follow the ready replicas' events, and load the tokenizer in the background (a
+        thread: transformers' import and a large tokenizer take seconds, up to tens of
+        them on a busy machine); until it is loaded, requests are placed by the fallback
+        (counted as `no_tokens`)."""
+        self.feeds.start()
         source, opener = self._tokenizer_source, self._open_tokenizer
         if source is None or opener is None:
             log.warning("policy kv-aware without a tokenizer (--tokenizer): every request "
                         "is placed by prefix affinity")
+            self.tokenizer_settled.set()
         else:
-            try:
-                self._tokenizer = await asyncio.to_thread(opener, source)
-            except Exception as exc:  # a directory without tokenizer files, a bad template
-                log.error("--tokenizer %s: cannot load it (%s); every request is placed by "
-                          "prefix affinity", source, str(exc).splitlines()[0][:200] or
-                          type(exc).__name__)
-            else:
-                log.info("kv-aware: prompts tokenized with %s", source)
-        self.feeds.start()
+            self._loading = asyncio.create_task(self._load(source, opener),
+                                                name="dpserve-kv-tokenizer")
+
+    async def _load(self, source: str, opener: Callable[[str], PromptTokens]) -> None:
+        try:
+            await self._open(source, opener)
+        finally:
+            self.tokenizer_settled.set()
+
+    async def _open(self, source: str, opener: Callable[[str], PromptTokens]) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(opener, source)
+        except Exception as exc:  # a directory without tokenizer files, a bad template
+            log.error("--tokenizer %s: cannot load it (%s); every request is placed by "
+                      "prefix affinity", source, str(exc).splitlines()[0][:200] or
+                      type(exc).__name__)
+        else:
+            if self._closed:
+                tokenizer.close()
+                return
+            self._tokenizer = tokenizer
+            log.info("kv-aware: prompts tokenized with %s", source)
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> Sequence[int] | None:
         tokenizer = self._tokenizer
         return None if tokenizer is None else await tokenizer.tokens(route, body)
 
     async def aclose(self) -> None:
+        self._closed = True
+        if self._loading is not None:
+            self._loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loading
         await self.feeds.aclose()
         if self._tokenizer is not None:
             self._tokenizer.close()
