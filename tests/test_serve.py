@@ -148,7 +148,7 @@ def test_serve_with_two_workers_answers_on_one_port_and_stops_them_all(tmp_path)
         (where,) = [ln for ln in lines if "router on http://" in ln]  # said once, by the leader
         url = where.split("router on ")[1].split()[0]
         followers = [pid for pid in _children(proc.pid)
-                     if "dpserve.router.workers" in _cmdline(pid)]
+                     if "dpserve.worker" in _cmdline(pid)]
         assert len(followers) == 1
         for _ in range(20):  # a connection each: some reach the follower
             with httpx.Client() as client:

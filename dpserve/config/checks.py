@@ -185,9 +185,6 @@ def _validate_kv(c: RouterConfig) -> None:
             c.kv_events_replay_endpoint)
     require(0 < len(c.kv_events_topic) <= 256, "router.kv_events_topic",
             "must be 1 to 256 characters", c.kv_events_topic)
-    require(c.policy != "kv-aware" or c.workers == 1, "router.workers",
-            "must be 1 with policy kv-aware (each worker would follow every replica's "
-            "events; not supported yet)", c.workers)
 
 
 _KV_ENDPOINT = re.compile(r"tcp://\*:([1-9][0-9]{0,4})")

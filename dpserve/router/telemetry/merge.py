@@ -44,9 +44,14 @@ SUMMED_FAMILIES: frozenset[str] = frozenset({
     "dpserve_queue_wait_seconds",
     "dpserve_adapter_requests",
     "dpserve_trace_export_failures",
+    "dpserve_kv_routing_decisions",
+    "dpserve_kv_routed_tokens",
+    "dpserve_kv_cached_prefix_tokens",
 })
 """The families every worker's data plane updates, by the names prometheus_client's
-parser gives them (a counter's without `_total`)."""
+parser gives them (a counter's without `_total`). `kv-aware`'s index and feed series are
+the leader's: every worker follows every replica's events itself, and so holds the
+same index."""
 
 _CREATED = "_created"
 _HISTOGRAM_ORDER = {"_bucket": 0, "_count": 1, "_sum": 2}

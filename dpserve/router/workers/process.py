@@ -1,5 +1,5 @@
 """Follower processes: started, watched and stopped by the leader (`Workers`), and a
-follower's own main (`python -m dpserve.router.workers FD N`).
+follower's own main (`serve_follower`, run as `python -m dpserve.worker FD N`).
 
 A follower shares the leader's fate: it exits once the leader closes the socket pair
 (the leader stopped, or died), after finishing its own in-flight requests, so a
@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import prometheus_client
 
@@ -23,6 +24,7 @@ from dpserve.config import RouterConfig
 from dpserve.router.fleet.pool import ReplicaPool
 from dpserve.router.http.app import Router
 from dpserve.router.http.server import bind_socket, uvicorn_server
+from dpserve.router.kv.routing import PromptTokens
 from dpserve.router.workers.follower import Follower, follower_app
 from dpserve.router.workers.leader import Leader
 from dpserve.router.workers.wire import Channel, config_from, config_message
@@ -30,6 +32,9 @@ from dpserve.router.workers.work_table import WorkTable
 
 log = logging.getLogger("dpserve.serve")
 
+FOLLOWER_MAIN = "dpserve.worker"
+"""The module a follower runs: `serve_follower`, given the composition the router's
+own package cannot import (the prompt tokenizer, `dpserve.prompt_tokens`)."""
 RESTART_BACKOFF_S = 1.0
 """First delay before starting a follower that died again; doubles up to 30 s."""
 STOP_MARGIN_S = 5.0
@@ -91,7 +96,7 @@ class Workers:
             work_fd = self._work.fd if self._work is not None else None
             fds = (theirs.fileno(),) + ((work_fd,) if work_fd is not None else ())
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dpserve.router.workers", str(theirs.fileno()),
+                sys.executable, "-m", FOLLOWER_MAIN, str(theirs.fileno()),
                 str(worker), pass_fds=fds)
             theirs.close()
             self._procs[worker] = proc
@@ -109,8 +114,10 @@ class Workers:
             backoff = min(30.0, backoff * 2)
 
 
-async def serve_follower(fd: int, worker: int) -> int:
-    """A follower's life: the config from the leader, then serve until told to stop."""
+async def serve_follower(fd: int, worker: int, *,
+                         open_tokenizer: Callable[[str], PromptTokens] | None = None) -> int:
+    """A follower's life: the config from the leader, then serve until told to stop.
+    `open_tokenizer`: as the leader's `Router` was given it (`kv-aware`'s prompts)."""
     channel = await Channel.open(socket.socket(fileno=fd))
     hello = await channel.recv()
     if hello is None or hello.get("op") != "config":
@@ -122,7 +129,9 @@ async def serve_follower(fd: int, worker: int) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("dpserve.pool").setLevel(logging.ERROR)  # the leader logs the table
     prometheus_client.disable_created_metrics()  # as the leader's: the series must match
-    router = Router(ReplicaPool([]), config)
+    router = Router(ReplicaPool([]), config, open_tokenizer=open_tokenizer)
+    if router.kv is not None:  # its own subscriptions, to the replicas the table has ready
+        await router.kv.start()
     work = (WorkTable(hello["work_fd"], workers=hello["workers"], me=worker)
             if hello["work_fd"] is not None else None)
     follower = Follower(router, channel, work)

@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
+from dpserve.router.kv.index import KVIndex
+from dpserve.router.kv.metrics import KVCollector
 from dpserve.router.telemetry.merge import SUMMED_FAMILIES, merge_exposition
 from dpserve.router.telemetry.metrics import RouterMetrics
 
@@ -180,10 +183,37 @@ def test_a_follower_text_that_does_not_fit_is_left_out_with_a_warning(caplog):
     assert all(r.levelno == logging.WARNING for r in warnings)
 
 
+def kv_routing(on_events: int) -> KVCollector:
+    """`kv-aware`'s series, `on_events` requests placed on events."""
+    stats = KVRoutingStats(on_events=on_events, prompt_tokens=100 * on_events,
+                           cached_tokens=50 * on_events,
+                           fallbacks=dict.fromkeys(FALLBACK_REASONS, 1),
+                           cached_histogram=[on_events] + [0] * len(CACHED_BUCKETS))
+    index = KVIndex()
+    index.apply("r0", 0, [])
+    return KVCollector(index, lambda: {"r0": "following"}, stats, lambda: {})
+
+
 def test_every_summed_family_is_a_router_metric():
     leader = router_metrics()
     Counter("dpserve_trace_export_failures_total", "", registry=leader.registry)
+    leader.registry.register(kv_routing(0))
     assert set(SUMMED_FAMILIES) <= set(family_names(leader.render()))
+
+
+def test_kv_aware_decisions_are_summed_over_the_workers_and_its_index_is_the_leaders():
+    texts = []
+    for placed in (3, 4):
+        registry = CollectorRegistry()
+        registry.register(kv_routing(placed))
+        texts.append(generate_latest(registry))
+    merged = samples(merge_exposition(texts[0], texts[1:], SUMMED_FAMILIES))
+    assert merged[key("dpserve_kv_routing_decisions_total", basis="events")] == 7
+    assert merged[key("dpserve_kv_routing_decisions_total", basis="no_tokens")] == 2
+    assert merged[key("dpserve_kv_routed_tokens_total", kind="cached")] == 350
+    assert merged[key("dpserve_kv_cached_prefix_tokens_count")] == 7
+    assert merged[key("dpserve_kv_index_blocks", replica="r0")] == 0  # not doubled
+    assert merged[key("dpserve_kv_events_following", replica="r0")] == 1
 
 
 ROUTES = (COMPLETIONS, "/v1/chat/completions", "/tokenize")

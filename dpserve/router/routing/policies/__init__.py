@@ -42,14 +42,18 @@ __all__ = [
     "shared_memory",
 ]
 
-POLICY_NAMES = POLICIES
-"""Every policy's configuration name (owned by dpserve.config, which validates it)."""
+POLICY_NAMES = tuple(name for name in POLICIES if name != "auto")
+"""Every policy's configuration name (owned by dpserve.config, which validates it), but
+`auto`, which names one of them (`dpserve.config.effective_policy`)."""
 
 
 def shared_memory(policy: Policy) -> Shared | None:
     """The part of `policy` whose memory data-plane workers share, if it has one (its
-    inner policy, behind adapter affinity)."""
+    inner policy, behind adapter affinity; `kv-aware`'s fallback, whose count of recent
+    work it spreads by too)."""
     inner = policy.inner if isinstance(policy, AdapterAffinity) else policy
+    if isinstance(inner, KVAware):
+        return inner.fallback
     return inner if isinstance(inner, PrefixAffinity) else None
 
 

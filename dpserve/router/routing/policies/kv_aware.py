@@ -9,9 +9,10 @@ Each candidate's cost, in units of one request's work::
 blocks, by its own events; `prompt` the prompt's length in tokens; `queue(r)` its
 requests running and waiting as its engine last reported them, plus what this
 router sent it (or saw finish) since (:func:`engine_queue`). Lowest cost wins; ties
-(nothing cached anywhere, equal queues) go to the replica sent the least lately
-(:class:`~dpserve.router.routing.policies.recent_work.RecentWork`), which spreads
-new prefixes as evenly as round robin.
+(nothing cached anywhere, equal queues) go to the replica sent the least lately, by
+the fallback's count (:meth:`PrefixAffinity.least`), which spreads new prefixes as
+evenly as round robin; every request is counted there once, whichever decided it, so
+with data-plane workers the spreading is shared as the fallback's is.
 
 Both terms are the same for every router: the events come from the engines, and the
 queue is the engines' own count, seen by all routers alike. So two routers behind one
@@ -39,9 +40,10 @@ from collections.abc import Callable, Sequence
 from dpserve.router.fleet.pool import Replica
 from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
 from dpserve.router.kv.index import KVIndex
-from dpserve.router.routing.policies.base import Policy, RequestInfo
+from dpserve.router.routing.policies.base import RequestInfo
 from dpserve.router.routing.policies.engine_load import engine_queue
-from dpserve.router.routing.policies.recent_work import RecentWork, under_cap
+from dpserve.router.routing.policies.prefix_affinity import PrefixAffinity
+from dpserve.router.routing.policies.recent_work import under_cap
 
 KV_LOAD_WEIGHT = 0.15
 """A queued request costs 0.15 of a full prefill: a replica with the whole prompt cached
@@ -61,7 +63,7 @@ class KVAware:
 
     name = "kv-aware"
 
-    def __init__(self, index: KVIndex, *, fallback: Policy,
+    def __init__(self, index: KVIndex, *, fallback: PrefixAffinity,
                  load_weight: float = KV_LOAD_WEIGHT, load_factor: float = KV_LOAD_FACTOR,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if load_weight < 0:
@@ -73,7 +75,6 @@ class KVAware:
         self.load_weight = load_weight
         self.load_factor = load_factor
         self._clock = clock
-        self._spread = RecentWork(clock=clock)
         self.needs: frozenset[str] = frozenset({"tokens", "engine_load"}) | fallback.needs
         self.stats = KVRoutingStats(fallbacks=dict.fromkeys(FALLBACK_REASONS, 0),
                                     cached_histogram=[0] * (len(CACHED_BUCKETS) + 1))
@@ -95,8 +96,7 @@ class KVAware:
                  for r in open_}
         best = min(costs.values())
         tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
-        chosen = self._spread.least(tied) if len(tied) > 1 else tied[0]
-        self._spread.charge(chosen)
+        chosen = self.fallback.send(self.fallback.least(tied) if len(tied) > 1 else tied[0])
         cached = min(held.get(chosen.id, 0), prompt)
         stats = self.stats
         stats.on_events += 1
@@ -111,7 +111,4 @@ class KVAware:
                    reason: str) -> Replica | None:
         assert self.stats.fallbacks is not None
         self.stats.fallbacks[reason] += 1
-        chosen = self.fallback.select(candidates, request)
-        if chosen is not None:
-            self._spread.charge(chosen)
-        return chosen
+        return self.fallback.select(candidates, request)

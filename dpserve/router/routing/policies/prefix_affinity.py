@@ -85,7 +85,7 @@ class PrefixAffinity:
             return None
         open_ = under_cap(candidates, self.load_factor)
         if not request.prefix:
-            return self._send(self._spread.least(open_))
+            return self.send(self._spread.least(open_))
         key = stable_hash(f"{request.model or ''}\0{request.prefix[: self.prefix_chars]}")
         homes = self._homes.get(key)
         if homes is None:
@@ -97,22 +97,28 @@ class PrefixAffinity:
         by_id = {r.id: r for r in open_}
         held = [by_id[rid] for rid in homes if rid in by_id]
         if held:
-            return self._send(self._spread.least(held))
+            return self.send(self._spread.least(held))
         chosen = self._spread.least(open_)
         if chosen.id not in homes:
             homes.append(chosen.id)
             if self._sent is not None:
                 self._learned()
                 self._new_homes.append((key, chosen.id))
-        return self._send(chosen)
+        return self.send(chosen)
 
-    def _send(self, replica: Replica) -> Replica:
+    def send(self, replica: Replica) -> Replica:
+        """Count `replica` as sent a request (the spreading, and the journal other workers
+        read); returns it."""
         self._spread.charge(replica)
         sent = self._sent
         if sent is not None and not self._work_shared:
             self._learned()
             sent[replica.id] = sent.get(replica.id, 0) + 1
         return replica
+
+    def least(self, candidates: Sequence[Replica]) -> Replica:
+        """Of `candidates` (not empty), the one sent the least work lately."""
+        return self._spread.least(candidates)
 
     def _learned(self) -> None:
         if not self._sent and not self._new_homes and self.on_journal is not None:
