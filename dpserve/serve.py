@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -24,7 +23,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from dpserve.config import RouterConfig, ServeConfig, parse_lora_spec
+from dpserve.config import RouterConfig, ServeConfig, effective_policy, parse_lora_spec
 from dpserve.httpclient import control_client
 from dpserve.metrics.gpu import GpuCollector, gpu_replicas, load_nvml
 from dpserve.metrics.process import ProcessCollector, replica_cores
@@ -194,16 +193,12 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
     """Start the replicas and the router; return the process exit code. `sockets`: the
     router's, already bound by `listen(config.router)` (else bound here)."""
     started = time.monotonic()
-    if config.router.policy == "kv-aware" and config.router.tokenizer is None:
-        # The engines' own tokenizer: the prompts' token ids as they will see them.
-        config = dataclasses.replace(config, router=dataclasses.replace(
-            config.router, tokenizer=config.model))
     run_dir = Path(config.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     gpus = visible_gpus() if config.gpus is None else config.gpus
     # The engines' KV-event sockets: private to this user, short enough for a socket's
     # address (a run directory's path may not be), removed when serve ends.
     kv_dir = (Path(tempfile.mkdtemp(prefix="dpserve-kv-"))
-              if config.router.policy == "kv-aware" else None)
+              if effective_policy(config.router) == "kv-aware" else None)
     specs = plan_replicas(config, gpus=gpus, cores=usable_cores(), port=lambda _: free_port(),
                           run_dir=run_dir, kv_dir=kv_dir)
     # What replicas load: the model, then whatever checkpoint is deployed (restarts too).

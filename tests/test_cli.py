@@ -149,7 +149,7 @@ def test_every_flag_of_the_torchrun_entry_has_a_help_line():
 def test_help_shows_each_default_worth_showing():
     subs = _subcommands()
     assert _help_of(subs["serve"], "--port") == "port of the OpenAI API (default 8000)"
-    assert _help_of(subs["serve"], "--policy").endswith("(default prefix-affinity)")
+    assert _help_of(subs["serve"], "--policy").endswith("(default auto)")
     assert _help_of(subs["serve"], "--startup-timeout-s").endswith("(default 900)")
     assert _help_of(subs["router"], "--max-attempts").endswith("(default 3)")
     assert _help_of(subs["finetune"], "--lr") == "peak learning rate (AdamW) (default 0.0001)"

@@ -67,7 +67,7 @@ from benchmarks.routing import workloads
 from benchmarks.routing.report import RunRow, print_tables, verdicts
 from dpserve.config import POLICIES, RouterConfig
 
-DPSERVE_POLICIES = POLICIES
+DPSERVE_POLICIES = tuple(p for p in POLICIES if p != "auto")
 VLLM_ROUTER_POLICIES = ("round_robin", "power_of_two", "cache_aware")
 WORKERS_ROUTER = "dpserve-2w"
 """dpserve with `--workers 2` (the data plane in two processes), default policy only."""

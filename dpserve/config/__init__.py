@@ -33,7 +33,13 @@ from dpserve.config.checks import (
     validate_serve,
 )
 from dpserve.config.keys import resolve_keys
-from dpserve.config.schema import POLICIES, PolicyName, RouterConfig, ServeConfig
+from dpserve.config.schema import (
+    POLICIES,
+    PolicyName,
+    RouterConfig,
+    ServeConfig,
+    effective_policy,
+)
 from dpserve.config.settings import (
     ENV_PREFIX,
     ConfigError,
@@ -46,8 +52,8 @@ from dpserve.config.settings import (
 
 __all__ = ["ENV_PREFIX", "LORA_RANKS", "POLICIES", "ConfigError", "DiscoveryError", "DnsTarget",
            "PolicyName", "RouterConfig", "ServeConfig", "build_router_config", "build_serve_config",
-           "is_loopback_host", "load_yaml", "lora_name_problem", "parse_lora_spec",
-           "parse_target", "resolve"]
+           "effective_policy", "is_loopback_host", "load_yaml", "lora_name_problem",
+           "parse_lora_spec", "parse_target", "resolve"]
 
 def build_router_config(
     flags: Mapping[str, Any],
@@ -82,5 +88,9 @@ def build_serve_config(
     cfg = resolve(ServeConfig, flags, file_values, env, prefix="", extra={"router": router})
     if cfg.model.startswith("~"):  # from a YAML file or quoted: no shell expanded it
         cfg = dataclasses.replace(cfg, model=os.path.expanduser(cfg.model))
+    if cfg.router.policy in ("auto", "kv-aware") and cfg.router.tokenizer is None:
+        # The engines' own tokenizer: the prompts' token ids as they will see them.
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, tokenizer=cfg.model))
     validate_serve(cfg)
     return cfg

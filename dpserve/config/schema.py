@@ -12,8 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-PolicyName = Literal["least-outstanding", "round-robin", "session-affinity", "prefix-affinity",
-                     "engine-load", "kv-aware"]
+PolicyName = Literal["auto", "least-outstanding", "round-robin", "session-affinity",
+                     "prefix-affinity", "engine-load", "kv-aware"]
 POLICIES: tuple[PolicyName, ...] = typing.get_args(PolicyName)
 """The replica selection policies `policy` may name (`dpserve.router.routing.policies`)."""
 
@@ -30,13 +30,15 @@ class RouterConfig:
     """Processes serving the data plane on the port (SO_REUSEPORT), one core each: the
     first leads (health checks, deploys, admin, metrics) and serves too. More than one
     only where the router, not the engines, is the bottleneck; docs/serving.md."""
-    policy: PolicyName = "prefix-affinity"
-    """Replica selection: `prefix-affinity` (prompts starting alike together, the rest
+    policy: PolicyName = "auto"
+    """Replica selection: `auto` (`kv-aware` where the prompts can be tokenized as the
+    engines see them: `dpserve serve`, or `dpserve router --tokenizer`; else
+    `prefix-affinity`), `prefix-affinity` (prompts starting alike together, the rest
     spread by recent work), `least-outstanding` (fewer in flight of two random replicas),
     `round-robin`, `session-affinity` (X-Session-Id or `user`), `engine-load` (the
     engines' own queue and KV-cache reports) or `kv-aware` (the prefix each engine
     reports it caches, by its KV-cache events, against its own load; prefix affinity
-    where events are not published; docs/serving.md). Why `prefix-affinity` unless set:
+    where events are not published). Why these: docs/serving.md,
     benchmarks/routing/README.md."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted; larger ones get 413 before reaching a replica."""
@@ -265,3 +267,11 @@ class ServeConfig:
     vllm_args: list[str] = field(default_factory=list)
     """Extra arguments passed to every `vllm serve` (after `--`)."""
     router: RouterConfig = field(default_factory=RouterConfig)
+
+
+def effective_policy(c: RouterConfig) -> PolicyName:
+    """The policy the router runs: `c.policy`, with `auto` settled by whether prompts can
+    be tokenized (`c.tokenizer`; `dpserve serve` sets it to the served model)."""
+    if c.policy != "auto":
+        return c.policy
+    return "kv-aware" if c.tokenizer is not None else "prefix-affinity"

@@ -7,6 +7,7 @@ from dpserve.config import (
     RouterConfig,
     build_router_config,
     build_serve_config,
+    effective_policy,
     load_yaml,
 )
 from dpserve.config.fielddocs import field_docs
@@ -67,8 +68,6 @@ def test_env_values_are_parsed_to_the_declared_types():
      "router.kv_events_endpoint: must be tcp://*:PORT"),
     ({"model": "m"}, {"DPSERVE_KV_EVENTS_REPLAY_ENDPOINT": "tcp://*:5558"},
      "router.kv_events_replay_endpoint: needs kv_events_endpoint"),
-    ({"model": "m", "policy": "kv-aware", "workers": 2}, {},
-     "router.workers: must be 1 with policy kv-aware"),
 ])
 def test_invalid_settings_are_refused_naming_the_setting(flags, env, message):
     with pytest.raises(ConfigError) as exc:
@@ -130,3 +129,19 @@ def test_a_model_path_from_the_file_has_its_tilde_expanded(monkeypatch, tmp_path
     monkeypatch.setenv("HOME", str(tmp_path))
     assert build_serve_config({}, {"model": "~/models/m"}, {}).model == str(
         tmp_path / "models" / "m")
+
+
+def test_auto_routes_on_kv_events_where_prompts_can_be_tokenized():
+    serve = build_serve_config({"model": "/models/m"}, env={})
+    assert serve.router.policy == "auto" and serve.router.tokenizer == "/models/m"
+    assert effective_policy(serve.router) == "kv-aware"
+    assert effective_policy(build_router_config({}, env={})) == "prefix-affinity"
+    assert effective_policy(build_router_config({"tokenizer": "/t"}, env={})) == "kv-aware"
+    chosen = build_serve_config({"model": "/models/m", "policy": "round-robin"}, env={})
+    assert effective_policy(chosen.router) == "round-robin"
+    assert chosen.router.tokenizer is None  # nothing is tokenized for a policy that does not
+
+
+def test_kv_aware_runs_with_several_workers():
+    config = build_serve_config({"model": "m", "policy": "kv-aware", "workers": 2}, env={})
+    assert (config.router.workers, config.router.tokenizer) == (2, "m")

@@ -1,18 +1,15 @@
 """Routing on KV events with real vLLM replicas: the router tokenizes each chat as
 vLLM renders it, follows the engines' events, and sends every turn of a conversation
 to the replica holding it; the cached prefix it expects is, token for token, the
-prefix-cache hits the engines report."""
+prefix-cache hits the engines report. On the session's shared deployment: `kv-aware` is
+what `dpserve serve` routes by unless told otherwise (`auto`)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric, start_deployment
-from tests.router.telemetry.test_series import KV_SERIES, sample_names
+from tests.integration.conftest import MODEL_NAME, Deployment, replica_metric
 from tests.waiting import wait_for_sync
 
 pytestmark = pytest.mark.vllm
@@ -20,15 +17,6 @@ pytestmark = pytest.mark.vllm
 SYSTEM = " ".join(f"Rule {i}: be kind to the number {i}." for i in range(25))
 """About 300 tokens: two of the CPU engine's 128-token blocks, and room for 4 turns in
 the tiny model's 1024-token context."""
-
-
-@pytest.fixture(scope="module")
-def kv_deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[Deployment]:
-    d = start_deployment(tiny_model, tmp_path_factory.mktemp("serve-kv"), replicas=2,
-                         serve_args=("--policy", "kv-aware"))
-    yield d
-    d.stop()
 
 
 def router_metric(d: Deployment, name: str, **labels: str) -> float:
@@ -44,12 +32,11 @@ def engine_hits(d: Deployment) -> float:
                for _, port in d.replicas().values())
 
 
-def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(kv_deployment):
-    deployment = kv_deployment
+def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(deployment):
     wait_for_sync(lambda: router_metric(deployment, "dpserve_kv_events_following") == 2,
                   "the router following both engines' KV events", within_s=60)
-    first = httpx.get(deployment.base_url + "/metrics", timeout=10).text
-    assert set(KV_SERIES) <= sample_names(first)  # every series the dashboard reads
+    no_tokens_before = router_metric(deployment, "dpserve_kv_routing_decisions_total",
+                                     basis="no_tokens")
     cached_before = router_metric(deployment, "dpserve_kv_routed_tokens_total", kind="cached")
     hits_before = engine_hits(deployment)
     turns: dict[int, list[str]] = {}
@@ -66,7 +53,7 @@ def test_each_turn_goes_where_the_engines_say_its_conversation_is_cached(kv_depl
                             "content": r.json()["choices"][0]["message"]["content"]})
     assert all(len(set(served)) == 1 for served in turns.values()), turns
     assert router_metric(deployment, "dpserve_kv_routing_decisions_total",
-                         basis="no_tokens") == 0
+                         basis="no_tokens") == no_tokens_before
     cached = router_metric(deployment, "dpserve_kv_routed_tokens_total",
                            kind="cached") - cached_before
     # Turns 2 to 4 of each conversation find at least the system prompt's two blocks.

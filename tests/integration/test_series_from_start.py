@@ -26,6 +26,6 @@ def test_a_started_deployment_has_every_series_the_dashboard_and_rules_read(
     # processes: one of the two sets, never both.
     has_gpus = bool(set(GPU_SERIES) & sample_names(text))
     assert has_gpus != bool(set(PROCESS_SERIES) & sample_names(text))
-    # The shared deployment routes with the default policy: no `kv-aware` series
-    # (tests/integration/test_kv_routing.py checks those on a kv-aware deployment).
-    assert missing(text, {**(PROCESS_SERIES if has_gpus else GPU_SERIES), **KV_SERIES}) == set()
+    # The default policy under `serve` is `kv-aware` (`auto`): its series are read too.
+    assert set(KV_SERIES) <= sample_names(text)
+    assert missing(text, PROCESS_SERIES if has_gpus else GPU_SERIES) == set()

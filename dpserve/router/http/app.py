@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from dpserve.config import RouterConfig, parse_target
+from dpserve.config import RouterConfig, effective_policy, parse_target
 from dpserve.router.asgi import ASGIApp, Receive, Scope, Send
 from dpserve.router.errors import error_response
 from dpserve.router.fleet.adapters import Adapters
@@ -86,11 +86,12 @@ class Router:
         self.metrics = metrics if metrics is not None else RouterMetrics(pool)
         self.control = httpx.AsyncClient()
         """The control plane's client: health checks, scrapes, admin calls."""
+        policy = effective_policy(config)
         self.kv = (KVRouting(pool, config, self.control, open_tokenizer)
-                   if config.policy == "kv-aware" else None)
+                   if policy == "kv-aware" else None)
         """Routing on the engines' KV events (`dpserve.router.kv.routing`)."""
         self.policy = make_policy(
-            config.policy, prefix_chars=config.prefix_chars, load_factor=config.load_factor,
+            policy, prefix_chars=config.prefix_chars, load_factor=config.load_factor,
             adapter_slots=config.max_loras if config.enable_lora and config.lora_affinity
             else None, kv_index=self.kv.index if self.kv is not None else None)
         kv_policy = kv_aware_of(self.policy)
@@ -146,6 +147,11 @@ class Router:
             await self.discovery.refresh()
             self._tasks.append(asyncio.create_task(self.discovery.run(),
                                                    name="dpserve-discovery"))
+        if self.config.policy == "auto":
+            log.info("policy auto: %s", "kv-aware (the prompts' token ids by "
+                     f"{self.config.tokenizer}, the engines' KV events)" if self.kv is not None
+                     else "prefix-affinity (kv-aware needs the served model's tokenizer: "
+                     "--tokenizer)")
         if self.kv is not None:  # before the first replica is admitted: none is missed
             await self.kv.start()
         await self.health.check_all()

@@ -10,7 +10,7 @@ INFO = RequestInfo(route="/v1/completions", session_id="s", prefix="p")
 
 
 def test_every_configurable_name_builds_the_policy_of_that_name():
-    assert POLICIES == POLICY_NAMES
+    assert set(POLICIES) == {*POLICY_NAMES, "auto"}
     for name in POLICY_NAMES:
         assert make_policy(name).name == name
 
@@ -18,6 +18,8 @@ def test_every_configurable_name_builds_the_policy_of_that_name():
 def test_an_unknown_name_is_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
+    with pytest.raises(ValueError, match="unknown policy"):  # settled by the config first
+        make_policy("auto")
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
