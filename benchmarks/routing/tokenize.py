@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -38,6 +39,9 @@ from dpserve.router.kv.prompt import Budget
 from dpserve.router.kv.tokens import PromptLimits, PromptTokenizer
 
 CHAT = "/v1/chat/completions"
+GIL_SWITCH_S = 0.001
+"""The interpreter's switch interval in the arm `1 thread, 1 ms GIL` (Python's default is
+5 ms: a thread holding the GIL keeps it that long before the loop may run)."""
 COMPLETIONS = "/v1/completions"
 SIZES = (128, 2048, 8192)
 WORDS = ("the router reads each prompt as its engine will, so that a replica which "
@@ -195,6 +199,14 @@ async def stall_table(model: Path, tokenizer: Any, encoder: HfPromptEncoder,
         async with PromptTokenizer(encoder, PromptLimits(
                 workers=workers, cache_tokens=0, max_pending=requests)) as tok:
             await row(f"{workers} thread(s)", lambda b, t=tok: t.tokens(CHAT, b))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)  # what the router sets under kv-aware
+    try:
+        async with PromptTokenizer(encoder, PromptLimits(
+                workers=1, cache_tokens=0, max_pending=requests)) as tok:
+            await row("1 thread, 1 ms GIL", lambda b, t=tok: t.tokens(CHAT, b))
+    finally:
+        sys.setswitchinterval(interval)
     loop = asyncio.get_running_loop()
     for workers in (1, 2):
         with ProcessPoolExecutor(workers, initializer=_init_worker,

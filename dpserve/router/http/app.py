@@ -185,6 +185,8 @@ def build_app(router: Router) -> DataPlaneFront:
         n = len(router.pool.ready())
         if n == 0:
             return error_response(503, "no replica is ready")
+        if router.kv is not None and not router.kv.tokenizer_settled.is_set():
+            return error_response(503, "the prompt tokenizer is loading (kv-aware)")
         if lagging := router.lagging_workers():
             return error_response(503, f"router worker(s) {lagging} have not yet applied "
                                   "the replica table")

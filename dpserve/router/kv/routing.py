@@ -67,8 +67,9 @@ class KVRouting:
     async def start(self) -> None:
         """Follow the ready replicas' events, and load the tokenizer in the background (a
         thread: transformers' import and a large tokenizer take seconds, up to tens of
-        them on a busy machine); until it is loaded, requests are placed by the fallback
-        (counted as `no_tokens`)."""
+        them on a busy machine, holding the GIL for much of it: `/ready` waits for it);
+        until it is loaded, requests are placed by the fallback (counted as
+        `no_tokens`)."""
         self.feeds.start()
         source, opener = self._tokenizer_source, self._open_tokenizer
         if source is None or opener is None:

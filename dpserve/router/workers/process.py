@@ -131,7 +131,8 @@ async def serve_follower(fd: int, worker: int, *,
     prometheus_client.disable_created_metrics()  # as the leader's: the series must match
     router = Router(ReplicaPool([]), config, open_tokenizer=open_tokenizer)
     if router.kv is not None:  # its own subscriptions, to the replicas the table has ready
-        await router.kv.start()
+        await router.kv.start()  # and its tokenizer, loaded before it takes a connection:
+        await router.kv.tokenizer_settled.wait()  # the import holds the GIL for seconds
     work = (WorkTable(hello["work_fd"], workers=hello["workers"], me=worker)
             if hello["work_fd"] is not None else None)
     follower = Follower(router, channel, work)

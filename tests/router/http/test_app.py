@@ -4,15 +4,20 @@ the OpenAI envelope however the path is spelled, and never reaches a replica."""
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
 from dpserve.config import RouterConfig
-from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.prompt_tokens import open_named
+from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.http.app import FORWARDED_ROUTES, Router
+from dpserve.router.kv.tokens import PromptTokenizer
 from dpserve.router.routing.policies import AdapterAffinity
-from tests.conftest import running_router
+from tests.conftest import running_router, serving
 from tests.router.rawhttp import exchange, parse_responses, request
+from tests.waiting import wait_for
 
 DEV_PATHS = ["/collective_rpc", "/pause", "/resume", "/sleep?level=1", "/wake_up",
              "/reset_prefix_cache", "/update_weight_version", "/is_paused", "/weight_info",
@@ -77,3 +82,26 @@ def test_a_router_serving_adapters_places_them_by_affinity_unless_told_not_to():
     assert lora.scraper is not None  # reads the engines' running adapters
     off = Router(ReplicaPool([]), RouterConfig(enable_lora=True, lora_affinity=False))
     assert not isinstance(off.policy, AdapterAffinity) and off.scraper is None
+
+
+async def test_a_kv_aware_router_is_ready_once_its_tokenizer_is_loaded(fake_replicas):
+    replica = await fake_replicas("r0")
+    release = threading.Event()
+
+    def slow_open(source: str) -> PromptTokenizer:  # transformers' import, on a busy host
+        release.wait(30)
+        return open_named("sim")
+
+    config = RouterConfig(policy="kv-aware", tokenizer="sim", health_interval_s=0.2)
+    router = Router(ReplicaPool([Replica(id="r0", url=replica.url)]), config,
+                    open_tokenizer=slow_open)
+    async with serving(router) as (url, _), httpx.AsyncClient() as c:
+        await wait_for(lambda: router.pool.ready(), "the replica ready")
+        loading = await c.get(url + "/ready")
+        release.set()
+        await wait_for(lambda: router.kv is not None and router.kv.tokenizer_settled.is_set(),
+                       "the tokenizer loaded")
+        ready = await c.get(url + "/ready")
+    assert loading.status_code == 503
+    assert "tokenizer is loading" in loading.json()["error"]["message"]
+    assert ready.status_code == 200
