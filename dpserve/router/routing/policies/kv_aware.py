@@ -95,7 +95,7 @@ class KVAware:
                  for r in open_}
         best = min(costs.values())
         tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
-        chosen = self._spread.least(tied) if len(tied) > 1 else tied[0]
+        chosen = self.break_tie(tied) if len(tied) > 1 else tied[0]
         self._spread.charge(chosen)
         cached = min(held.get(chosen.id, 0), prompt)
         stats = self.stats
@@ -106,6 +106,12 @@ class KVAware:
         assert stats.cached_histogram is not None
         stats.cached_histogram[bisect.bisect_left(CACHED_BUCKETS, cached)] += 1
         return chosen
+
+    def break_tie(self, tied: Sequence[Replica]) -> Replica:
+        """Of several replicas of equal cost (nothing cached, equal queues), the one this
+        router sent the least lately. A subclass may choose otherwise: what-ifs in
+        benchmarks/routing/kv_ties.py."""
+        return self._spread.least(tied)
 
     def _fall_back(self, candidates: Sequence[Replica], request: RequestInfo,
                    reason: str) -> Replica | None:
