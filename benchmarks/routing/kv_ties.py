@@ -20,9 +20,10 @@ The study's workload, cache sizes and reset at 90 s, kv-aware only. Arms:
   draw, so that two routers acting on the same stale view do not pick alike (the
   answer to stale load information in "How Useful Is Old Information?").
 
-A run is one workload seed and one ``--jitter-seeds`` draw of the engines' step times;
-x1 and x2 differ by that draw alone as much as by a policy change (run-to-run ratios of
-0.92-1.12), so several draws tell a policy's effect from luck. Per arm, medians over
+A run is one workload seed and one ``--jitter-seeds`` draw of the engines' step times.
+The draw alone moves a run's mean TTFT as much as a policy change does (printed: x1 on
+another draw over x1 on the first, run by run), so several draws tell a policy's effect
+from luck. Per arm, medians over
 runs: hit rate, TTFT mean and p99; the mean TTFT over its base arm's on the same run
 (median [min, max]); then, of the decisions where no replica held any of the prompt
 (**new**: first turns, and later turns after the reset or an eviction), the share
@@ -214,7 +215,8 @@ class Result:
         return out
 
 
-def report(arms: Sequence[WhatIf], results: dict[str, list[Result]]) -> None:
+def report(arms: Sequence[WhatIf], results: dict[str, list[Result]], draws: int) -> None:
+    """The tables of one cache size; each arm's runs are by workload seed, then by draw."""
     print(f"{'arm':<28}{'hit rate':>9}{'mean':>6}{'p99':>6}  {'mean / base, per run':<26}"
           f"{'new':>5}{'onto a prefill':>15}{'other':>7}{'queue low':>10}{'seen':>6}{'lag':>5}")
     for what in arms:
@@ -235,6 +237,12 @@ def report(arms: Sequence[WhatIf], results: dict[str, list[Result]]) -> None:
               f"{share(onto, lambda d: d.others):>7}{share(onto, lambda d: d.queue_low):>10}"
               f"{share(onto, lambda d: d.seen):>6}"
               f"{sum(d.lag for r in rs for d in r.decisions.values()):>5}")
+    if draws > 1 and "x1" in results:
+        x1 = results["x1"]
+        noise = [x1[i + j].mean() / x1[i].mean()
+                 for i in range(0, len(x1), draws) for j in range(1, draws)]
+        print(f"x1 on another draw of step times / on the first, per run: "
+              f"{spread(noise, '{:.3f}')}")
     print("extra TTFT over the base arm, ms per run (sums over the run's turns):")
     for what in arms:
         if what.routers < 2 or what.base not in results:
@@ -282,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    replicas=args.replicas, reset_at=args.reset_at,
                                    scrape_s=args.scrape_s, seed=s, probe=watch, jitter_seed=j)
                     results[what.name].append(Result(run, watch.decisions))
-        report(arms, results)
+        report(arms, results, len(jitters))
     return 0
 
 
