@@ -13,10 +13,16 @@ router sent it (or saw finish) since (:func:`engine_queue`). Lowest cost wins; t
 (:class:`~dpserve.router.routing.policies.recent_work.RecentWork`), which spreads
 new prefixes as evenly as round robin.
 
-Both terms are the same for every router: the events come from the engines, and the
-queue is the engines' own count, seen by all routers alike. So two routers behind one
-address send a prefix where it is cached, not each to its own guess (what
+Both terms come from the engines: the events, and the queue as the engines count it,
+seen by all routers alike. So two routers behind one address send a prefix where it is
+cached, not each to its own guess (what
 :class:`~dpserve.router.routing.policies.prefix_affinity.PrefixAffinity` must do).
+What they do not share is what each sent since its last scrape, and that is what
+places a prompt cached nowhere: two routers put 18-19% of such prompts on a replica still
+prefilling another, one router 6% (~5% of mean TTFT; benchmarks/routing/README.md,
+kv_ties). The events cannot tell them: a prompt's blocks are published when the step
+that computed them ends, so a prefill shows once it is done.
+
 `load_weight` prices a queued request against a prefill: at 0.15 a replica holding a
 whole prompt is preferred while it has fewer than seven more requests queued than one
 holding none. Like prefix affinity, replicas at the bounded-load cap (`load_factor` x
