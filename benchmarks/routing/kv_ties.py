@@ -23,18 +23,17 @@ The study's workload, cache sizes and reset at 90 s, kv-aware only. Arms:
 A run is one workload seed and one ``--jitter-seeds`` draw of the engines' step times.
 The draw alone moves a run's mean TTFT as much as a policy change does (printed: x1 on
 another draw over x1 on the first, run by run), so several draws tell a policy's effect
-from luck. Per arm, medians over
-runs: hit rate, TTFT mean and p99; the mean TTFT over its base arm's on the same run
-(median [min, max]); then, of the decisions where no replica held any of the prompt
-(**new**: first turns, and later turns after the reset or an eviction), the share
-placed on a replica with another prefill waiting or running (**onto a prefill**, the
-engine's truth); of those, the share where the last request sent there came from the
-other router (**other's**), where the router's queue for that replica was below the
-engine's (**queue low**), and where the index held any block of that prefill (**seen**:
-what a stored-blocks signal can know of it). **lag**: decisions where some engine held
-more of the prompt than the index said (events not yet applied). Last, where each
-two-router arm's extra TTFT over its base went: first turns, later turns with nothing
-cached, cached turns (ms per run).
+from luck. Per arm, medians over runs: hit rate, TTFT mean and p99; the mean TTFT over
+its base arm's on the same run (median [min, max]); then, of the decisions where no
+replica held any of the prompt (**new**: first turns, and later turns after the reset
+or an eviction), the share placed on a replica with another prefill waiting or running
+(**onto a prefill**, the engine's truth); of those, the share where the last request
+sent there came from the other router (**other**), where the router's queue for that
+replica was below the engine's (**queue low**), and where the index held any block of
+that prefill (**seen**: what a stored-blocks signal can know of it). **lag**: decisions
+where some engine held more of the prompt than the index said (events not yet applied).
+Last, where each two-router arm's extra TTFT over its base went: first turns, later
+turns with nothing cached, cached turns (ms per run).
 """
 
 from __future__ import annotations
