@@ -46,7 +46,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -64,7 +64,7 @@ from benchmarks.routing.vclock import (
 )
 from dpserve.router.fleet.engine_metrics import EngineLoad
 from dpserve.router.fleet.pool import Replica, ReplicaState
-from dpserve.router.kv.events import decode
+from dpserve.router.kv.events import Event, decode
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.routing.policies import KVAware, Policy, RequestInfo, make_policy
 from dpserve.router.routing.policies.kv_aware import KV_LOAD_FACTOR, KV_LOAD_WEIGHT
@@ -181,6 +181,22 @@ class Router:
             rep.engine_in_flight_at_scrape = rep.in_flight
 
 
+class Probe(Protocol):
+    """Watches (and for a what-if, rewires) one run: `kv_ties.py`'s diagnostics."""
+
+    def start(self, vf: VirtualFleet, routers: list[Router]) -> None:
+        """Once, before the first request."""
+
+    def applied(self, replica: int, events: Sequence[Event]) -> None:
+        """The KV index has just applied a batch of `replica`'s events."""
+
+    def before_pick(self, router: Router) -> None:
+        """Just before `router` places a request."""
+
+    def picked(self, router: Router, conversation: int, turn: int, replica: int) -> None:
+        """`router` placed the turn on `replica` (not yet counted in flight)."""
+
+
 def working_set_blocks(convs: Sequence[workloads.Conversation], block_size: int) -> int:
     """KV blocks of every conversation's last prompt and answer (see the docstring)."""
     return sum(math.ceil(c.context_tokens() / block_size) for c in convs)
@@ -200,8 +216,10 @@ def sim_config(convs: Sequence[workloads.Conversation], replicas: int, pressure:
 
 def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, *,
              replicas: int, reset_at: float | None, window_s: float = 10.0,
-             scrape_s: float = 1.0, seed: int = 0, kv_knobs: KVKnobs = KVKnobs()) -> Run:
-    """One arm on one workload: every conversation played to its end."""
+             scrape_s: float = 1.0, seed: int = 0, kv_knobs: KVKnobs = KVKnobs(),
+             probe: Probe | None = None, jitter_seed: int = 0) -> Run:
+    """One arm on one workload: every conversation played to its end. `probe` watches
+    it; `jitter_seed` draws the engines' step times anew (`VirtualFleet`)."""
     index = KVIndex()
     encoder = msgspec.msgpack.Encoder()
     published = [0] * replicas
@@ -211,6 +229,8 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
         batch = decode([b"kv", published[r].to_bytes(8, "big"), payload])
         published[r] += 1
         assert index.apply(f"r{r}", batch.seq, batch.events, skipped=batch.skipped) is None
+        if probe is not None:
+            probe.applied(r, batch.events)
 
     def reset(r: int) -> None:
         assert vf.engines[r].reset_prefix_cache(reset_running_requests=True)
@@ -224,7 +244,7 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
 
     kv = arm.policy == "kv-aware"
     vf = VirtualFleet(cfg, replicas, on_kv_events=on_events if kv else None,
-                      after_step=after_step)
+                      after_step=after_step, jitter_seed=jitter_seed)
     routers = [Router(arm.policy, replicas, index, lambda: vf.now, seed + i, kv_knobs)
                for i in range(arm.routers)]
     placements: list[Placement] = []
@@ -238,7 +258,11 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
         turn = convs[c].turns[k]
         n, sent_count = sent_count, sent_count + 1
         router = routers[n % len(routers)]  # clients behind a Service: routers in turn
+        if probe is not None:
+            probe.before_pick(router)
         r = router.pick(turn.ids)
+        if probe is not None:
+            probe.picked(router, c, k, r)
         router.reps[r].in_flight += 1
         sent = vf.now
         open_blocks[c] = math.ceil((len(turn.ids) + turn.output_tokens) / cfg.block_size)
@@ -290,14 +314,17 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
                 else:
                     reset(r)
         vf.at(reset_at, TICK, -2, deploy)
+    if probe is not None:
+        probe.start(vf, routers)
     vf.run()
 
     stats = [e.stats for e in vf.engines]
     queries = sum(s.prefix_cache_queries for s in stats)
     first = min(c.start_s for c in convs)
     out = sum(t.output_tokens for c in convs for t in c.turns)
-    fallbacks = sum(sum((r.policy.stats.fallbacks or {}).values()) for r in routers
-                    if isinstance(r.policy, KVAware))
+    policies = {id(r.policy): r.policy for r in routers}.values()  # a what-if may share one
+    fallbacks = sum(sum((p.stats.fallbacks or {}).values()) for p in policies
+                    if isinstance(p, KVAware))
     return Run(placements=placements,
                hit_rate=sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
                output_tok_s=out / (last_token - first), windows=windows,

@@ -160,14 +160,17 @@ class VirtualFleet:
 
     def __init__(self, cfg: SimConfig, replicas: int, *,
                  on_kv_events: Callable[[int, list[Any]], None] | None = None,
-                 after_step: Callable[[int], None] | None = None) -> None:
+                 after_step: Callable[[int], None] | None = None,
+                 jitter_seed: int = 0) -> None:
         """`on_kv_events(replica, events)`: each step's KV events, if given.
         `after_step(replica)`: called when a step ends, before finished requests are
-        reported and the next step is scheduled (between two steps of that engine)."""
+        reported and the next step is scheduled (between two steps of that engine).
+        `jitter_seed`: another draw of the engines' step-time jitter (engine i is seeded
+        1000 x jitter_seed + i), to tell a policy's effect from the luck of the draw."""
         self.now = 0.0
         engine_module._now = lambda: self.now  # the engines' clock becomes the virtual one
         self.engines = [engine_module.Engine(
-            cfg, seed=i, on_kv_events=None if on_kv_events is None
+            cfg, seed=1000 * jitter_seed + i, on_kv_events=None if on_kv_events is None
             else (lambda events, i=i: on_kv_events(i, events))) for i in range(replicas)]
         self.after_step = after_step
         self._heap: list[tuple[float, int, int, int, Callable[[], None]]] = []

@@ -14,10 +14,16 @@ the fallback's count (:meth:`PrefixAffinity.least`), which spreads new prefixes 
 evenly as round robin; every request is counted there once, whichever decided it, so
 with data-plane workers the spreading is shared as the fallback's is.
 
-Both terms are the same for every router: the events come from the engines, and the
-queue is the engines' own count, seen by all routers alike. So two routers behind one
-address send a prefix where it is cached, not each to its own guess (what
+Both terms come from the engines: the events, and the queue as the engines count it,
+seen by all routers alike. So two routers behind one address send a prefix where it is
+cached, not each to its own guess (what
 :class:`~dpserve.router.routing.policies.prefix_affinity.PrefixAffinity` must do).
+What they do not share is what each sent since its last scrape, and that is what
+places a prompt cached nowhere: two routers put 18-19% of such prompts on a replica still
+prefilling another, one router 6% (~5% of mean TTFT; benchmarks/routing/README.md,
+kv_ties). The events cannot tell them: a prompt's blocks are published when the step
+that computed them ends, so a prefill shows once it is done.
+
 `load_weight` prices a queued request against a prefill: at 0.15 a replica holding a
 whole prompt is preferred while it has fewer than seven more requests queued than one
 holding none. Like prefix affinity, replicas at the bounded-load cap (`load_factor` x
@@ -96,7 +102,7 @@ class KVAware:
                  for r in open_}
         best = min(costs.values())
         tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
-        chosen = self.fallback.send(self.fallback.least(tied) if len(tied) > 1 else tied[0])
+        chosen = self.fallback.send(self.break_tie(tied) if len(tied) > 1 else tied[0])
         cached = min(held.get(chosen.id, 0), prompt)
         stats = self.stats
         stats.on_events += 1
@@ -106,6 +112,12 @@ class KVAware:
         assert stats.cached_histogram is not None
         stats.cached_histogram[bisect.bisect_left(CACHED_BUCKETS, cached)] += 1
         return chosen
+
+    def break_tie(self, tied: Sequence[Replica]) -> Replica:
+        """Of several replicas of equal cost (nothing cached, equal queues), the one sent
+        the least lately (by this router, and its workers). A subclass may choose
+        otherwise: what-ifs in benchmarks/routing/kv_ties.py."""
+        return self.fallback.least(tied)
 
     def _fall_back(self, candidates: Sequence[Replica], request: RequestInfo,
                    reason: str) -> Replica | None:
