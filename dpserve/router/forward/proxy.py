@@ -300,6 +300,9 @@ class ProxyEndpoint:
             if isinstance(result, StartOver):  # drained before its first chunk: no failure
                 log.info("request %s: %s; starting over on another replica",
                          ex.request_id, result.reason)
+                # `tried` holds the replicas that failed this request: a drained one may
+                # take it again once it serves (a later drain may move the stream back).
+                tried.remove(slot.replica.id)
                 attempt, restarted = attempt - 1, True
                 continue
             restarted = False

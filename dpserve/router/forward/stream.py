@@ -102,7 +102,7 @@ class StreamOwner:
                     tried: list[str]) -> Attempt:
         """Relay the stream `resp` to the client to its end, on other replicas too if it
         migrates; headers go out with the first chunk. `tried`: the replicas this
-        request went to, `slot`'s last."""
+        request failed on (a drained one is not among them), then `slot`'s."""
         replica = slot.replica
         try:
             with self._live.running(replica.id, resp, _always, restarts=True):
