@@ -59,7 +59,7 @@ from dpserve.router.migration.fields import coerce_fields
 from dpserve.router.migration.migrator import Migrator
 from dpserve.router.migration.replay import StreamState
 from dpserve.router.migration.tracked import Stream
-from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
+from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable, logged_waiting
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.routing.policies.base import Tokenize
 from dpserve.router.telemetry.metrics import RouterMetrics, status_class
@@ -130,7 +130,7 @@ class ProxyEndpoint:
                                   origin=self._origin, config=config, metrics=metrics)
         self._streams = StreamOwner(route, config=config, metrics=metrics,
                                     first_byte=self._first_byte, migrator=self._migrator,
-                                    live=dispatcher.streams)
+                                    dispatcher=dispatcher)
 
     def _origin(self, base: str) -> Origin:
         origin = self._origins.get(base)
@@ -279,7 +279,9 @@ class ProxyEndpoint:
                                             cap=self._config.retry_backoff_max_s))
             waited_from = time.perf_counter()
             try:
-                slot = await self._dispatch.choose(ex.info, tried)
+                slot = await self._dispatch.choose(ex.info, tried, waiting=logged_waiting(
+                    log, ex.request_id, "start over on", self._config.queue_timeout_s,
+                ) if restarted else None)
             except Unavailable:
                 if not tried:
                     raise

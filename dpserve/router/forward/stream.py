@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from dpserve.config import RouterConfig
@@ -31,12 +32,12 @@ from dpserve.router.asgi import ReplyTracker
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.fleet.adapters import versioned
 from dpserve.router.fleet.breaker import Outcome, classify
-from dpserve.router.fleet.live import Evicted, LiveStreams
+from dpserve.router.fleet.live import Evicted
 from dpserve.router.forward.attempt import Answered, Attempt, StartOver, TryAnother
 from dpserve.router.forward.exchange import Exchange
 from dpserve.router.migration.migrator import Leg, Migrator
 from dpserve.router.migration.tracked import Break, Stream, Tracked
-from dpserve.router.routing.dispatch import Slot
+from dpserve.router.routing.dispatch import Dispatcher, Slot
 from dpserve.router.sse import EventFramer, EventTooLarge
 from dpserve.router.telemetry.metrics import RouterMetrics
 from dpserve.router.upstream.client import UpstreamResponse
@@ -80,17 +81,14 @@ class Plain:
         return self.events(rest), True
 
 
-def _always() -> bool:
-    return True
-
-
 class StreamOwner:
     """One route's streams (its metrics and timeouts bound once)."""
 
     def __init__(self, route: str, *, config: RouterConfig, metrics: RouterMetrics,
-                 first_byte: Any, migrator: Migrator, live: LiveStreams) -> None:
+                 first_byte: Any, migrator: Migrator, dispatcher: Dispatcher) -> None:
         self.route = route
-        self._live = live
+        self._dispatch = dispatcher
+        self._live = dispatcher.streams
         self._config = config
         self._metrics = metrics
         self._first_byte = first_byte
@@ -105,7 +103,9 @@ class StreamOwner:
         request failed on (a drained one is not among them), then `slot`'s."""
         replica = slot.replica
         try:
-            with self._live.running(replica.id, resp, _always, restarts=True):
+            # Moved only where it can start over: a drain leaves it here otherwise.
+            with self._live.running(replica.id, resp, lambda: self._dispatch.could_take(
+                    ex.info, tried), restarts=True):
                 async with asyncio.timeout(self._config.first_byte_timeout_s):
                     first = await resp.readany()
         except Evicted as exc:
@@ -141,7 +141,8 @@ class StreamOwner:
                             continuation=continuation)
             try:
                 broken = await self._pump(stream.replied, leg.resp, leg.slot, leg.first,
-                                          shape, movable=stream)
+                                          shape, movable=lambda: self._migrator.movable(
+                                              stream, tried))
             finally:  # at once: its breaker hears before the next replica is chosen
                 leg.resp.release()
                 leg.slot.release()
@@ -158,15 +159,14 @@ class StreamOwner:
             leg, continuation = after, True
 
     async def _pump(self, replied: ReplyTracker, resp: UpstreamResponse, slot: Slot,
-                    chunk: bytes, shape: Shape, *, movable: Stream | None = None,
+                    chunk: bytes, shape: Shape, *, movable: Callable[[], bool] | None = None,
                     ) -> Break | None:
         """Relay one replica's events, beginning with `chunk`, until its stream ends
         (None: the client's ended too) or breaks (why; `slot.outcome` says it for
-        the breaker). `movable`: a migratable stream, which a drain may move."""
+        the breaker). `movable`: a migratable stream's, whether a drain may move it now."""
         events = EventFramer(self._config.max_response_bytes)
         idle = self._config.stream_idle_timeout_s
-        live = (self._live.running(slot.replica.id, resp,
-                                   lambda: self._migrator.movable(movable))
+        live = (self._live.running(slot.replica.id, resp, movable)
                 if movable is not None else contextlib.nullcontext())
         try:
             with live:

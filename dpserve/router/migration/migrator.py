@@ -6,11 +6,17 @@ goes. When the replica's connection breaks or no chunk comes for
 `stream_idle_timeout_s`, it releases that replica's slot (the breaker hears of the
 failure) and asks `Migrator.next_leg` for the rest: a continuation from another
 replica, chosen by the policy as usual among the replicas this request has not
-broken on, which it relays into the same client stream. That repeats up to
+broken on (a drained one did not break it: it may take the stream back once it
+serves), which it relays into the same client stream. If none is ready but one is
+coming into rotation (starting, reloading), the continuation waits for it in the
+router's queue, `queue_timeout_s` at most: the client's stream is stalled already,
+and a rolling deploy's other replica is seconds away. That repeats up to
 `migration_limit` times. Where a continuation cannot be made (a limit reached, no
 replica left), the client gets what a broken stream always got: an error event,
 then `[DONE]`, after whole events only. A stream that broke after its last token
-(the finish chunk came, the rest did not) is finished by the router itself.
+(the finish chunk came, the rest did not) is finished by the router itself. A drain
+moves only the streams that can go on somewhere (`movable`): the others stay on
+their draining replica, which still serves them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from dpserve.router.migration.continuation import continuation
 from dpserve.router.migration.replay import StreamState
 from dpserve.router.migration.stops import REPLACEMENT, StopScan, held_text
 from dpserve.router.migration.tracked import Break, Stream
-from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable
+from dpserve.router.routing.dispatch import Dispatcher, Slot, Unavailable, logged_waiting
 from dpserve.router.telemetry.metrics import RouterMetrics
 from dpserve.router.upstream.client import Origin, UpstreamClient, UpstreamResponse
 from dpserve.router.upstream.connection import ResponseTooLarge
@@ -67,17 +73,21 @@ class Migrator:
         self._config = config
         self._metrics = metrics
 
-    def movable(self, stream: Stream) -> bool:
-        """Whether a drain could move the stream now (`dpserve.router.fleet.live`)."""
-        return not stream.state.closed and self._refused(stream.state) is None
+    def movable(self, stream: Stream, tried: list[str]) -> bool:
+        """Whether a drain could move the stream now (`dpserve.router.fleet.live`): it
+        can go on, and a replica it has not failed on (`tried`, its own last) is ready
+        or coming into rotation. Else it stays where it is: its replica, draining,
+        still serves it, where a move would cut it."""
+        return (not stream.state.closed and self._refused(stream.state) is None
+                and self._dispatch.could_take(stream.info, tried))
 
     async def next_leg(self, stream: Stream, broken: Break, tried: list[str]) -> Leg | str:
         """Carry `stream` on after `broken`: a continuation that started on another
         replica (its first chunk came), or, where the stream ends here, the id of the
         replica that ended it (`none` if none could; the client got its ending or
         an error event). `tried` holds the replicas it broke on (not taken again),
-        last the one it broke on now; a drained one may be taken again once it
-        serves (it did not fail)."""
+        last the one it broke on now; a drained one is taken out (it did not fail:
+        it may take the stream again once it serves)."""
         state = stream.state
         reason, detail, source = broken.reason, broken.detail, tried[-1]
         while True:
@@ -101,9 +111,9 @@ class Migrator:
                 continue
             try:
                 slot = await self._choose(stream, [*tried, source])
-            except Unavailable:
-                return await self._give_up(stream, reason, "failed", detail,
-                                           "no other replica is available", source)
+            except Unavailable as exc:  # none left, none came in time, the queue full
+                return await self._give_up(stream, reason, "failed", detail, exc.message,
+                                           source)
             replica = slot.replica
             tried.append(replica.id)
             async with AsyncExitStack() as held:
@@ -164,7 +174,8 @@ class Migrator:
 
     async def _choose(self, stream: Stream, tried: list[str]) -> Slot:
         """A replica not tried yet, on the weights the stream began on if one is ready
-        (mid-deploy, a continuation elsewhere would mix two versions)."""
+        (mid-deploy, a continuation elsewhere would mix two versions); if none is ready
+        but one is coming into rotation, it is waited for (`queue_timeout_s` at most)."""
         other = [r.id for r in self._pool.ready()
                  if r.id not in tried and stream.version_of(r) != stream.version]
         if other and len(other) < len([r for r in self._pool.ready() if r.id not in tried]):
@@ -172,7 +183,8 @@ class Migrator:
                 return await self._dispatch.choose(stream.info, [*tried, *other])
             except Unavailable:
                 pass  # those are failing: any version beats a broken stream
-        return await self._dispatch.choose(stream.info, tried)
+        return await self._dispatch.choose(stream.info, tried, waiting=logged_waiting(
+            log, stream.request_id, "carry the stream on", self._config.queue_timeout_s))
 
     async def _stop_seam(self, stream: Stream, slot: Slot) -> bool:
         """Ready the router's stop-string check for a continuation on `slot`: the text

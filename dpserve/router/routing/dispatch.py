@@ -12,11 +12,15 @@ A replica may take a request when it is ready, its breaker lets requests
 through, this request has not tried it yet, and it is under its in-flight cap.
 When replicas are ready but all at their cap, the request waits in the
 admission queue; when none is ready at all (or every breaker is open), it is
-refused at once with 503 — waiting would only hide an outage.
+refused at once with 503 — waiting would only hide an outage. Except for a request
+moving off a drained or failed replica (a stream's continuation, a restart), whose
+client waits already: while a replica is coming into rotation (`coming`), it waits
+in the same queue for one to be ready, `queue_timeout_s` at most.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection
 from types import TracebackType
@@ -29,6 +33,7 @@ from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.routing.admission import (
     AdmissionQueue,
     AdmissionRejected,
+    QueueTimeout,
     ewma,
     free_slots,
     retry_after_s,
@@ -36,6 +41,22 @@ from dpserve.router.routing.admission import (
 )
 from dpserve.router.routing.canary import CanarySplit
 from dpserve.router.routing.policies import Policy, RequestInfo
+
+COMING = frozenset({ReplicaState.STARTING, ReplicaState.RELOADING})
+"""States of a replica on its way into rotation: starting (or undrained, its checks
+not passed yet), or hot-loading new weights in a rolling deploy."""
+
+Waiting = Callable[[list[Replica]], None]
+"""Told once, before a request waits for replicas coming into rotation, which ones."""
+
+
+def logged_waiting(log: logging.Logger, request_id: str, to: str, timeout_s: float) -> Waiting:
+    """A `Waiting` that says so in `log`: `request ID: no replica ready to TO; waiting up
+    to S s for r0, coming into rotation`."""
+    def waiting(coming: list[Replica]) -> None:
+        log.info("request %s: no replica ready to %s; waiting up to %g s for %s, coming "
+                 "into rotation", request_id, to, timeout_s, ", ".join(r.id for r in coming))
+    return waiting
 
 
 class Unavailable(RouterError):
@@ -141,10 +162,30 @@ class Dispatcher:
                 if r.id not in tried and (adapter is None or adapter in r.models)
                 and self.breaker(r).available(now)]
 
-    async def choose(self, request: RequestInfo, tried: Collection[str]) -> Slot:
-        """A slot on the replica this attempt should use; waits in the admission queue
-        while every open replica is at its cap. Raises :class:`Unavailable`."""
+    def coming(self, request: RequestInfo, tried: Collection[str]) -> list[Replica]:
+        """Replicas coming into rotation (`COMING`) that this request has not tried,
+        holding its adapter if it names one."""
         adapter = request.adapter
+        return [r for r in self._pool if r.state in COMING and r.id not in tried
+                and (adapter is None or adapter in r.models)]
+
+    def could_take(self, request: RequestInfo, tried: Collection[str]) -> bool:
+        """Whether a replica this request has not tried is open to it, or coming:
+        where a drain could move it (`choose` with `waiting`)."""
+        return bool(self._open_to(tried, request.adapter) or self.coming(request, tried))
+
+    async def choose(self, request: RequestInfo, tried: Collection[str], *,
+                     waiting: Waiting | None = None) -> Slot:
+        """A slot on the replica this attempt should use; waits in the admission queue
+        while every open replica is at its cap. With `waiting` (a request moving off
+        a drained or failed replica), also while none is open but one is coming into
+        rotation, telling `waiting` first. Raises :class:`Unavailable`."""
+        adapter = request.adapter
+        if waiting is not None and not self._open_to(tried, adapter):
+            coming = self.coming(request, tried)
+            if coming:
+                waiting(coming)
+                await self._await_open(tried, adapter)
         if self._cap is not None and not under_cap(self._open_to(tried, adapter), self._cap):
             if not self._open_to(tried, adapter):
                 raise self._nothing_open(tried)
@@ -167,6 +208,18 @@ class Dispatcher:
         if replica is None or permit is None:
             raise self._nothing_open(tried)
         return Slot(self, replica, permit, adapter)
+
+    async def _await_open(self, tried: Collection[str], adapter: str | None) -> None:
+        """Wait in the admission queue for a replica to be open to this request (its
+        turn to ready wakes the queue); Unavailable if none is within the timeout."""
+        try:
+            await self.queue.acquire(lambda: free_slots(self._open_to(tried, adapter),
+                                                        self._cap))
+        except QueueTimeout:
+            raise Unavailable(503, f"no replica came into rotation within "
+                                   f"{self.queue.timeout_s:g} s", retry_after_s=5) from None
+        except AdmissionRejected as exc:
+            raise Unavailable(503, str(exc), retry_after_s=1) from None
 
     def _nothing_open(self, tried: Collection[str]) -> Unavailable:
         if tried:

@@ -16,14 +16,19 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi ther
         "stream_options": {"include_usage": True}}
 
 
-async def stream(base: str, route: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
-    """Every event of one streamed answer: parsed chunks, and `[DONE]` as a string."""
+async def stream(base: str, route: str, body: dict[str, Any], *,
+                 into: list[dict[str, Any] | str] | None = None) -> list[dict[str, Any] | str]:
+    """Every event of one streamed answer: parsed chunks, and `[DONE]` as a string;
+    appended to `into` as they come, if given (what the client has so far)."""
+    events = [] if into is None else into
     async with httpx.AsyncClient(timeout=20) as c, c.stream("POST", base + route,
                                                             json=body) as r:
         assert r.status_code == 200
-        events = [line.removeprefix("data: ") async for line in r.aiter_lines()
-                  if line.startswith("data: ")]
-    return [e if e == "[DONE]" else json.loads(e) for e in events]
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                event = line.removeprefix("data: ")
+                events.append(event if event == "[DONE]" else json.loads(event))
+    return events
 
 
 async def scrape(base: str) -> str:

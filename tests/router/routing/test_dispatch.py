@@ -147,3 +147,32 @@ async def test_a_replica_to_avoid_gets_no_new_request_while_another_can_take_it(
     r0.avoid = None
     assert {(await d.choose(REQUEST, [])).replica.id for _ in range(4)} == {"r0", "r1"}
     assert r1.in_flight == 0  # no slot above was entered
+
+
+async def test_a_request_moving_off_a_replica_waits_for_one_coming_into_rotation():
+    d, pool = dispatcher(3, queue_timeout_s=5)
+    r0, r1, r2 = pool.get("r0"), pool.get("r1"), pool.get("r2")
+    pool.set_state(r0, ReplicaState.DRAINING, "drained")
+    pool.set_state(r1, ReplicaState.STARTING, "undrained")
+    pool.set_state(r2, ReplicaState.DOWN, "failed")
+    with pytest.raises(Unavailable):  # a new request: no waiting, an outage shows at once
+        await d.choose(REQUEST, [])
+    told: list[list[str]] = []
+    chosen = asyncio.create_task(d.choose(REQUEST, ["r0"], waiting=lambda coming: told.append(
+        [r.id for r in coming])))
+    await wait_for(lambda: d.queue.waiting == 1, "the request waiting in the queue")
+    pool.set_state(r1, ReplicaState.READY, "health checks pass")
+    assert (await asyncio.wait_for(chosen, 5)).replica is r1
+    assert told == [["r1"]] and d.queue.waiting == 0
+
+
+async def test_a_wait_for_a_replica_coming_into_rotation_ends_with_the_queue_timeout():
+    d, pool = dispatcher(2, queue_timeout_s=0.05)
+    pool.set_state(pool.get("r0"), ReplicaState.RELOADING, "deploy")
+    with pytest.raises(Unavailable) as caught:
+        await d.choose(REQUEST, ["r1"], waiting=lambda coming: None)
+    assert caught.value.status == 503
+    assert caught.value.message == "no replica came into rotation within 0.05 s"
+    with pytest.raises(Unavailable):  # the one coming is one it failed on: no wait
+        await asyncio.wait_for(d.choose(REQUEST, ["r0", "r1"], waiting=lambda c: None), 0.5)
+    assert d.could_take(REQUEST, ["r1"]) and not d.could_take(REQUEST, ["r0", "r1"])
