@@ -39,7 +39,8 @@ def continuation(state: StreamState) -> dict[str, Any] | None:
     if limit is None:
         # A chat without a limit runs to the context length. A completion has no way to
         # say so (without the field, or with null, it stops at 16): the migrator sets
-        # the target's context length, which vLLM clamps to what the context leaves.
+        # what the target's context length leaves (vLLM 0.32 would clamp its context
+        # length to that; earlier versions refused a limit past the context).
         out["max_tokens"] = None
     else:
         if limit - len(state.ids) <= 0:

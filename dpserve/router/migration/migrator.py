@@ -123,11 +123,17 @@ class Migrator:
                         return await self._give_up(stream, reason, "refused", detail,
                                                    "seam_text", source)
                     body = continuation(state) or body
-                if body["max_tokens"] is None:  # no limit: to the context's end
+                if body["max_tokens"] is None:  # no limit: what the context leaves
                     if replica.max_model_len is None:
                         return await self._give_up(stream, reason, "refused", detail,
                                                    "no_context_length", source)
-                    body["max_tokens"] = replica.max_model_len
+                    left = replica.max_model_len - len(body["prompt"])
+                    if left <= 0:  # a shorter context than its first replica's, full
+                        # already: the stream ends as it would there
+                        await stream.replied.body(
+                            stream.event(state.finish_chunk("length")), more=True)
+                        continue
+                    body["max_tokens"] = left
                 data = encode(body)
                 if data is None:  # a field carried on nests past what can be written
                     return await self._give_up(stream, reason, "refused", detail,

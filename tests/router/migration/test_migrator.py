@@ -213,7 +213,8 @@ async def test_a_limit_vllm_reads_as_a_number_holds_across_the_seam(fake_replica
 async def test_a_continuation_keeps_the_limit_vllm_gave_the_request(fake_replicas, route, body,
                                                                    tokens):
     """A chat without a limit runs to the context length; its continuation, a
-    completion, must too (left without a limit it stopped at a completion's 16 more).
+    completion, must too (left without a limit it stopped at a completion's 16 more),
+    asking for what the context leaves (an engine may refuse a limit past it).
     A completion without one stops at 16 in all, not 16 more per seam."""
     a = await fake_replicas("a", tokens=True, cut_after_tokens=5, max_model_len=60)
     b = await fake_replicas("b", tokens=True, max_model_len=60)
@@ -224,6 +225,24 @@ async def test_a_continuation_keeps_the_limit_vllm_gave_the_request(fake_replica
     chat = route == "/v1/chat/completions"
     assert text(events, chat=chat) == expected_text(body, tokens)
     assert usage(events)["completion_tokens"] == tokens
+    continued = b.requests[-1]
+    replayed = len(continued["prompt"]) - len(prompt_ids(body))
+    assert continued["max_tokens"] == tokens - replayed
+
+
+async def test_a_chat_without_a_limit_ends_at_the_context_of_the_replica_it_moves_to(
+        fake_replicas):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=5, max_model_len=60)
+    b = await fake_replicas("b", tokens=True, max_model_len=10)  # 8 of them the prompt
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+        events = await stream(base, "/v1/chat/completions", body)
+    assert not any("error" in e for e in events[:-1]) and events[-1] == "[DONE]"
+    assert final(events)["choices"][0]["finish_reason"] == "length"
+    got = usage(events)["completion_tokens"]  # those r0 sent, less any to generate again
+    assert got <= 5 and text(events, chat=True) == expected_text(body, got)
+    assert b.requests == []  # nothing was left to ask of it
 
 
 async def test_a_chat_without_a_limit_is_not_moved_where_the_context_length_is_unknown(
