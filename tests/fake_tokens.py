@@ -32,9 +32,17 @@ SPLIT_CHAR = "é"
 GARBAGE = "<garbage>"
 
 
+def rendered(messages: list[dict[str, Any]]) -> str:
+    """A chat's prompt as the fake renders it: its messages' text, one a line (a part
+    that is not text, an image, adds nothing)."""
+    return "\n".join(m["content"] if isinstance(m["content"], str) else "".join(
+        p if isinstance(p, str) else p.get("text", "") for p in m["content"])
+        for m in messages)
+
+
 def prompt_ids(body: dict[str, Any]) -> list[int]:
     if "messages" in body:
-        return [ord(c) for c in "\n".join(m["content"] for m in body["messages"])]
+        return [ord(c) for c in rendered(body["messages"])]
     prompt = body["prompt"]
     return list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
 

@@ -289,7 +289,7 @@ class FakeReplica:
         if request.path == "/detokenize":
             return web.json_response({"prompt": fake_tokens.detokenize(body["tokens"])})
         if request.path == "/tokenize":
-            text = ("\n".join(m["content"] for m in body["messages"]) if "messages" in body
+            text = (fake_tokens.rendered(body["messages"]) if "messages" in body
                     else body["prompt"])
             return web.json_response({"count": len(text), "tokens": [ord(c) for c in text]})
         prompt = body.get("prompt")

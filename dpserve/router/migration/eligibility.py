@@ -79,11 +79,29 @@ def _single_prompt(prompt: Any) -> bool:
     return False
 
 
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking",
+                         "tool_reference"})
+"""Message content parts vLLM 0.32 reads as text (`renderers.chat_utils`)."""
+_MEDIA_KEYS = frozenset({"image_url", "input_image", "image_pil", "image_embeds", "audio_url",
+                         "input_audio", "audio_embeds", "video_url", "video_embeds",
+                         "prompt_embeds"})
+"""Keys that make a content part media whatever its `type`: without one, vLLM takes
+the part's kind from them (`{"image_url": ...}` is an image)."""
+
+
 def _multimodal(messages: Any) -> bool:
+    """Whether a message has a part that is not text, as vLLM 0.32 tells
+    (`has_non_text_content`): a media key, or a type it does not read as text."""
     if not isinstance(messages, list):
         return False
     return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") not in (None, "text")
-                       for p in m["content"]) for m in messages)
+               and any(isinstance(p, dict) and _media(p) for p in m["content"])
+               for m in messages)
+
+
+def _media(part: dict[str, Any]) -> bool:
+    kind = part.get("type", "text")
+    return (not isinstance(kind, str) or kind not in _TEXT_PARTS
+            or any(key in part for key in _MEDIA_KEYS))
 
 

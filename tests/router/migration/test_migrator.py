@@ -190,6 +190,28 @@ async def test_a_stream_that_could_not_continue_as_the_same_request_fails_as_bef
     assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in metrics
 
 
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"response_format": {"type": "json_object"}}, "structured_output"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
+     "multimodal"),
+], ids=["response_format", "structured_outputs", "tools", "image"])
+async def test_a_chat_stream_that_could_not_continue_as_the_same_request_fails_as_before(
+        fake_replicas, extra, reason):
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=3)
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/chat/completions", CHAT | extra)
+        metrics = await scrape(base)
+    assert "stream interrupted" in events[-2]["error"]["message"]
+    assert "return_token_ids" not in a.requests[-1] and b.requests == []
+    assert f'dpserve_migration_refusals_total{{reason="{reason}"}} 1.0' in metrics
+
+
 @pytest.mark.parametrize("limit", ["12", 12.0, " 12"])
 async def test_a_limit_vllm_reads_as_a_number_holds_across_the_seam(fake_replicas, limit):
     """`"max_tokens": "12"` is 12 to vLLM: the continuation asks for what is left of

@@ -26,6 +26,10 @@ BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_token
     ({"response_format": {"type": "json_object"}}, "structured_output"),
     ({"response_format": {"type": "text"}}, None),
     ({"guided_regex": "a+"}, "structured_output"),
+    ({"guided_json": {"type": "object"}}, "structured_output"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "structured_output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "structured_output"),
     ({"seed": 3}, "seed"), ({"bad_words": ["x"]}, "bad_words"),
     ({"stop": ["\n"]}, None), ({"stop": "x"}, None), ({"stop": []}, None),
     ({"stop": [7]}, "stop_strings"), ({"stop": ["a", ""]}, "stop_strings"),
@@ -36,15 +40,61 @@ def test_what_may_migrate_on_completions(extra, reason):
     assert refusal(BASE | extra, chat=False) == reason
 
 
-def test_what_may_migrate_on_chat():
-    chat = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    assert refusal(chat, chat=True) is None
-    assert refusal(chat | {"tools": [{"type": "function"}]}, chat=True) == "tools"
-    assert refusal(chat | {"tools": [{"type": "function"}], "tool_choice": "none"},
-                   chat=True) is None
-    assert refusal(chat | {"logprobs": True}, chat=True) == "logprobs"
-    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-    assert refusal(chat | {"messages": [image]}, chat=True) == "multimodal"
+CHAT: dict[str, Any] = {"model": "m", "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}]}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+IMAGE = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}
+
+
+def said(*parts: Any) -> dict[str, Any]:
+    """A chat whose user message is made of `parts`."""
+    return {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": list(parts)}]}
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({}, None), ({"logprobs": True}, "logprobs"),
+    # Structured output: the grammar's state at the seam is not carried.
+    ({"response_format": {"type": "json_object"}}, "structured_output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "structured_output"),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": {"type": "object"}}, "structured_output"),
+    ({"guided_choice": ["yes", "no"]}, "structured_output"),
+    ({"guided_grammar": "root ::= \"a\""}, "structured_output"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_output"),
+    # Tools: the tool-call parser's state is not carried (none runs with "none").
+    ({"tools": TOOLS}, "tools"), ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+    ({"functions": [{"name": "f"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "none"}, None),
+    # Media: its placeholder ids mean nothing replayed without it.
+    (said({"type": "text", "text": "what is this?"}, IMAGE), "multimodal"),
+    (said({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
+     "multimodal"),
+    (said({"type": "video_url", "video_url": {"url": "https://x/a.mp4"}}), "multimodal"),
+    (said({"image_url": {"url": "https://x/cat.png"}}), "multimodal"),  # typed by its key
+    (said({"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}), None),
+    (said("plain", {"type": "text", "text": "parts"}), None),
+])
+def test_what_may_migrate_on_chat(extra, reason):
+    assert refusal(CHAT | extra, chat=True) == reason
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "text", "text": "a"}, {"type": "input_text", "text": "a"},
+    {"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"},
+    {"type": "thinking", "thinking": "hm"}, {"type": "tool_reference", "name": "f"},
+    IMAGE, {"image_url": {"url": "u"}}, {"type": "text", "text": "a", "image_url": "u"},
+    {"type": "input_image", "image_url": "u"}, {"type": "image_embeds", "image_embeds": "e"},
+    {"audio_url": {"url": "u"}}, {"video_embeds": "e"}, {"type": "file", "file": {}},
+    {"type": 3}, {"type": ["text"]}, {"text": "no type"},
+])
+def test_a_message_part_is_media_exactly_where_vllm_reads_it_so(part):
+    chat_utils = pytest.importorskip("vllm.renderers.chat_utils")
+    media = chat_utils.has_non_text_content(said(part)["messages"])
+    assert (refusal(CHAT | said(part), chat=True) == "multimodal") is media
 
 
 def state(body: dict[str, Any], *, chat: bool = False) -> StreamState:
