@@ -1,8 +1,9 @@
 """Stream migration on real vLLM replicas (CPU): a stream moved mid-way by an admin
 drain with `move_streams` ends exactly as an uninterrupted run, stop strings
-included. Its engine is paused first (vLLM's `/pause`, requests kept) at its 30th
-token, the engine stepped 15 ms at a time until then so that the pause lands mid-way
-however loaded the machine.
+included, and a chat without a limit runs to the end of the context. Its engine is
+paused first (vLLM's `/pause`, requests kept) at its 30th token, the engine stepped
+15 ms at a time until then so that the pause lands mid-way however loaded the
+machine.
 Streams that may not move fail as they always did, each reason counted, when their
 replica is killed. (A greedy stream whose replica is killed mid-way:
 tests/integration/test_serve.py.)"""
@@ -31,14 +32,18 @@ pytestmark = pytest.mark.vllm
 PROMPT = "Once upon a time, in a land far away,"
 
 
-def streamed(d: Deployment, body: dict[str, Any], on_chunk: Callable[[int], None] | None = None
-             ) -> dict[str, Any]:
-    """One greedy completion stream: each chunk's text, the end, usage, migrations."""
+def streamed(d: Deployment, body: dict[str, Any], on_chunk: Callable[[int], None] | None = None,
+             *, chat: bool = False) -> dict[str, Any]:
+    """One greedy completion stream (or chat, PROMPT its user message): each chunk's
+    text, the end, usage, migrations."""
     out: dict[str, Any] = {"pieces": [], "finish": None, "stop": None, "usage": None,
                            "seams": [], "done": False}
-    payload = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "stream": True,
+    prompt = ({"messages": [{"role": "user", "content": PROMPT}]} if chat
+              else {"prompt": PROMPT})
+    payload = {"model": MODEL_NAME, **prompt, "temperature": 0, "stream": True,
                "ignore_eos": True, "stream_options": {"include_usage": True}} | body
-    with httpx.Client(timeout=120) as h, h.stream("POST", d.base_url + "/v1/completions",
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.Client(timeout=120) as h, h.stream("POST", d.base_url + route,
                                                   json=payload) as r:
         assert r.status_code == 200
         n = 0
@@ -52,7 +57,7 @@ def streamed(d: Deployment, body: dict[str, Any], on_chunk: Callable[[int], None
             out["usage"] = chunk.get("usage") or out["usage"]
             out["seams"] = chunk.get("dpserve", {}).get("migrations", out["seams"])
             for c in chunk["choices"]:
-                out["pieces"].append(c["text"])
+                out["pieces"].append((c["delta"].get("content") or "") if chat else c["text"])
                 if c["finish_reason"]:
                     out["finish"], out["stop"] = c["finish_reason"], c.get("stop_reason")
             if chunk["choices"]:
@@ -232,6 +237,30 @@ def test_a_stream_with_a_stop_string_moved_by_a_drain_stops_where_it_would_have(
         ("r0", "r1", "drained")]
     assert "".join(got["pieces"]) == text[:at] and got["done"]
     assert (got["finish"], got["stop"]) == ("stop", stop)
+    assert got["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+
+
+def test_a_chat_without_a_limit_moved_by_a_drain_runs_to_the_end_of_the_context(deployment):
+    """A chat without `max_tokens` runs to the context's end (1024 tokens); so must its
+    continuation, a completion, whose own default would have stopped it 16 tokens on."""
+    reference = streamed(deployment, {}, chat=True)
+    context = reference["usage"]["prompt_tokens"] + reference["usage"]["completion_tokens"]
+    assert context == 1024 and reference["finish"] == "length"
+    for _ in range(TRIES):
+        with paused_mid_stream(deployment, then=lambda: admin(
+                deployment, "r0", "drain", move_streams=True)) as pause:
+            got = streamed(deployment, {}, chat=True)
+        wait_for_sync(lambda: state(deployment, "r0") == state(deployment, "r1") == "ready",
+                      "both replicas back in rotation", within_s=60)
+        if pause.caught or got["seams"]:  # a stream that moved was caught, whatever
+            break                         # the engine's gauge said when it paused
+    else:
+        pytest.fail(f"the stream ended before its engine was paused, {TRIES} times")
+    assert [(s["from"], s["to"], s["reason"]) for s in got["seams"]] == [
+        ("r0", "r1", "drained")]
+    assert "".join(got["pieces"]) == "".join(reference["pieces"]) and got["done"]
+    assert got["finish"] == "length"
     assert got["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
     assert got["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
 
