@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.common.tools import vllm_router_kv_args
 from benchmarks.routing import chat_load, quality_kv, workloads
 from benchmarks.routing.load import config_from_spec
 from benchmarks.routing.quality_kv_report import (
@@ -69,8 +70,8 @@ def test_a_chat_run_is_bounded_by_its_longest_conversation():
 def test_vllm_router_is_pointed_at_each_replicas_event_ports():
     sources = [{"0": {"endpoint": "tcp://*:7001", "replay_endpoint": "tcp://*:7002"}},
                {"0": {"endpoint": "tcp://*:7003", "replay_endpoint": "tcp://*:7004"}}]
-    argv = quality_kv.vllm_router_kv_args(["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
-                                          sources)
+    argv = vllm_router_kv_args(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], sources,
+                               block_size=16, model="sim-model")
     assert argv == ["--kv-event-block-size", "16", "--kv-event-model", "sim-model",
                     "--kv-event-source", "http://127.0.0.1:8001=tcp://127.0.0.1:7001",
                     "--kv-event-replay-source", "http://127.0.0.1:8001=tcp://127.0.0.1:7002",

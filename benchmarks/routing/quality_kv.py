@@ -62,6 +62,7 @@ from benchmarks.common.tools import (
     ensure_tool,
     export_ref,
     vllm_router_argv,
+    vllm_router_kv_args,
     vllm_router_version,
 )
 from benchmarks.routing import chat_load, kv_study, quality, workloads
@@ -75,7 +76,7 @@ from benchmarks.routing.quality_kv_report import (
     print_tables,
     verdicts,
 )
-from dpserve.sim.config import SimConfig
+from dpserve.sim.config import build_sim_config
 
 OPEN_LOOP = ("uniform", "heavy-tail", "tenants")
 CHAT = {"chat-fits": 0.75, "chat-1.5x": 1.5, "chat-deploy": 0.75}
@@ -264,7 +265,9 @@ class Bench:
                 raise RuntimeError("vllm-router is not installed")
             argv = vllm_router_argv(self.vllm_router, urls, port, metrics_port, arm.policy)
             if arm.policy == "kv_aware":
-                argv += vllm_router_kv_args(urls, [_event_sources(u) for u in urls])
+                sim = build_sim_config({}, fleet.SIM_CONFIG)
+                argv += vllm_router_kv_args(urls, [_event_sources(u) for u in urls],
+                                            block_size=sim.block_size, model=sim.model)
             metrics_url = f"http://{HOST}:{metrics_port}/metrics"
         service = start_service(f"router-{tag}", argv, self.work_dir,
                                 cwd=self.src if arm.kind == "dpserve" else None)
@@ -305,20 +308,6 @@ class Bench:
             print(f"  load run exited with code {code}:\n{load.log_tail(5)}", flush=True)
             return None
         return dict(json.loads(result.read_text()))
-
-
-def vllm_router_kv_args(urls: Sequence[str], sources: Sequence[dict[str, Any]]) -> list[str]:
-    """vllm-router's static event sources for ``urls``, from each replica's
-    ``GET /kv_event_sources`` (rank 0's ``tcp://*:PORT``, reached on the replica's host)."""
-    argv = ["--kv-event-block-size", str(fleet.SIM_CONFIG["block_size"]),
-            "--kv-event-model", str(fleet.SIM_CONFIG.get("model", SimConfig().model))]
-    for url, body in zip(urls, sources, strict=True):
-        host = url.split("//", 1)[1].rsplit(":", 1)[0]
-        rank = body["0"]
-        for flag, key in (("--kv-event-source", "endpoint"),
-                          ("--kv-event-replay-source", "replay_endpoint")):
-            argv += [flag, f"{url}={rank[key].replace('*', host)}"]
-    return argv
 
 
 def _event_sources(url: str) -> dict[str, Any]:
