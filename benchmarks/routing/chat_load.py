@@ -20,7 +20,7 @@ weights (here to all replicas at once, under load).
 
 The result: ``{"metrics"`` (loadtest's summary of every turn), ``"turns"`` (per turn:
 conversation, turn, router, replica when the router names it, sent and TTFT seconds,
-ok), ``"reset_s"`` (seconds from the start, or null)``}``. Exit status 0 when the run
+ok, and why not), ``"reset_s"`` (seconds from the start, or null)``}``. Exit status 0 when the run
 completed (failed turns are in the result), 2 when it could not run.
 """
 
@@ -127,7 +127,8 @@ async def run(spec: dict[str, Any], convs: list[dict[str, Any]]) -> dict[str, An
     return {"metrics": dataclasses.asdict(metrics), "reset_s": reset_s,
             "turns": [{"conversation": t.conversation, "turn": t.turn, "router": t.router,
                        "replica": t.record.replica, "sent_s": t.record.start_s,
-                       "ttft_s": t.record.ttft_s, "ok": t.record.ok} for t in done]}
+                       "ttft_s": t.record.ttft_s, "ok": t.record.ok,
+                       "error": t.record.error, "detail": t.record.detail} for t in done]}
 
 
 async def _deploy(session: aiohttp.ClientSession, spec: dict[str, Any], t0: float
