@@ -163,7 +163,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         ramp_up = RampUp(strategy=args.ramp_up_strategy, start_rps=args.ramp_up_start_rps,
                          end_rps=args.ramp_up_end_rps)
     return RunConfig(
-        base_url=args.base_url, model=args.model, endpoint=_ENDPOINTS[args.endpoint],
+        base_url=args.base_url[0], other_base_urls=tuple(args.base_url[1:]),
+        model=args.model, endpoint=_ENDPOINTS[args.endpoint],
         stream=not args.no_stream, dataset=args.dataset, dataset_path=args.dataset_path,
         tokenizer=args.tokenizer, num_prompts=args.num_prompts,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
@@ -204,7 +205,9 @@ def _json_object(text: str, flag: str) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     server = common.add_argument_group("server")
-    server.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    server.add_argument("--base-url", required=True, action="append",
+                        help="e.g. http://127.0.0.1:8000; repeated: roots of one service "
+                             "(e.g. several routers), sent to in turn")
     server.add_argument("--model", help="model name (default: the first the server lists)")
     server.add_argument("--endpoint", choices=sorted(_ENDPOINTS), default="completions")
     server.add_argument("--no-stream", action="store_true",

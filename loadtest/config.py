@@ -24,6 +24,9 @@ DURATION_REQUEST_CAP = 1_000_000
 class RunConfig:
     base_url: str
     """The server's root URL, e.g. ``http://127.0.0.1:8000``."""
+    other_base_urls: tuple[str, ...] = ()
+    """More roots of the same service (``--base-url`` repeated: e.g. two routers in front
+    of one fleet); requests go to each root in turn, ``base_url`` first."""
     model: str | None = None
     """Model name in requests; None: the first model the server lists."""
     endpoint: Endpoint = "completions"
@@ -70,8 +73,9 @@ class RunConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.base_url.startswith(("http://", "https://")), "--base-url",
-                 "must start with http:// or https://", self.base_url)
+        for url in self.base_urls:
+            _require(url.startswith(("http://", "https://")), "--base-url",
+                     "must start with http:// or https://", url)
         _require(self.dataset in DATASETS, "--dataset", f"must be one of {DATASETS}",
                  self.dataset)
         _require(self.dataset == "random" or self.dataset_path is not None, "--dataset-path",
@@ -110,6 +114,10 @@ class RunConfig:
                      "sets the rate itself: leave out --request-rate", self.request_rate)
             _require(0 < r.start_rps <= r.end_rps, "--ramp-up-start-rps",
                      "must be > 0 and <= --ramp-up-end-rps", r.start_rps)
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        return (self.base_url, *self.other_base_urls)
 
     @property
     def request_count(self) -> int:

@@ -78,34 +78,42 @@ def point_config(config: RunConfig, parameter: SweepParameter, value: float) -> 
 
 
 async def check_server(config: RunConfig) -> str:
-    """The model to ask for, after checking that the server answers and serves it."""
-    url = config.base_url.rstrip("/") + "/v1/models"
+    """The model to ask for, after checking that the server answers and serves it (at
+    every base URL: the first chooses it when ``config.model`` is unset)."""
+    model = await _check_one(config, config.base_url, config.model)
+    for other in config.other_base_urls:
+        await _check_one(config, other, model)
+    return model
+
+
+async def _check_one(config: RunConfig, base_url: str, model: str | None) -> str:
+    url = base_url.rstrip("/") + "/v1/models"
     served: list[str] | None = None
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, \
                 s.get(url, headers=config.headers) as resp:
             if resp.status in (401, 403):
                 raise UnreachableError(
-                    f"{config.base_url} refused the request (HTTP {resp.status}): pass the API"
+                    f"{base_url} refused the request (HTTP {resp.status}): pass the API"
                     " key with --header 'Authorization=Bearer KEY' or OPENAI_API_KEY")
             if resp.status == 200:
                 served = [m["id"] for m in (await resp.json())["data"]]
     except aiohttp.ClientConnectorError as exc:
         err = exc.os_error
         reason = os.strerror(err.errno) if err.errno else str(err)
-        raise UnreachableError(f"cannot connect to {config.base_url}: {reason}") from None
+        raise UnreachableError(f"cannot connect to {base_url}: {reason}") from None
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
         raise UnreachableError(
-            f"{config.base_url} did not answer GET /v1/models: {type(exc).__name__}"
+            f"{base_url} did not answer GET /v1/models: {type(exc).__name__}"
             f"{': ' + str(exc) if str(exc) else ''}") from None
-    if config.model is None:
+    if model is None:
         if not served:
             raise ConfigError(f"--model is required: {url} lists no model")
         return served[0]
-    if served is not None and config.model not in served:
-        raise UnreachableError(f"{config.base_url} does not serve model {config.model!r}"
+    if served is not None and model not in served:
+        raise UnreachableError(f"{base_url} does not serve model {model!r}"
                                f" (it serves: {', '.join(served) or 'nothing'})")
-    return config.model
+    return model
 
 
 def build_workload(config: RunConfig, model: str) -> Workload:
@@ -146,8 +154,10 @@ async def measure(config: RunConfig, workload: Workload, *,
     offsets = arrival_offsets(config.request_count, request_rate=config.request_rate,
                               burstiness=config.burstiness, ramp_up=config.ramp_up,
                               seed=config.seed)
+    path = ENDPOINT_PATHS[config.endpoint]
     plan = LoadPlan(
-        url=config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint],
+        url=config.base_url.rstrip("/") + path,
+        other_urls=[u.rstrip("/") + path for u in config.other_base_urls],
         payloads=workload.payloads, offsets=offsets, max_concurrency=config.max_concurrency,
         duration_s=config.duration_s, request_timeout_s=config.request_timeout_s,
         num_warmups=config.num_warmups, stream=config.stream, headers=config.headers,

@@ -49,6 +49,15 @@ class LoadPlan:
     stop: asyncio.Event | None = None
     """Once set, no further request is sent (those in flight finish): a load that runs
     until its caller is done with it rather than for a set time or count."""
+    other_urls: Sequence[str] = ()
+    """More URLs of the same service (e.g. two routers in front of one fleet): requests
+    go to ``url`` and these in turn, see `url_for`."""
+
+    def url_for(self, i: int) -> str:
+        """Request ``i``'s URL: ``url``, then each of ``other_urls``, then ``url`` again, as
+        clients behind a Kubernetes Service reach its pods in turn."""
+        urls = (self.url, *self.other_urls)
+        return urls[i % len(urls)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +103,8 @@ async def _dispatch(session: aiohttp.ClientSession, plan: LoadPlan) -> RunOutcom
 
         async def one(payload: Payload, record: RequestRecord) -> None:
             try:
-                await send(session, plan.url, payload, record, t0=t0, stream=plan.stream,
-                           headers=headers)
+                await send(session, plan.url_for(record.index), payload, record, t0=t0,
+                           stream=plan.stream, headers=headers)
             finally:
                 if slots is not None:
                     slots.release()
@@ -142,8 +151,8 @@ async def _warm_up(session: aiohttp.ClientSession, plan: LoadPlan) -> None:
         async with slots:
             record = RequestRecord(index=i, request_id=f"{plan.request_id_prefix}warmup-{i}",
                                    scheduled_s=0.0)
-            await send(session, plan.url, plan.payloads[i % len(plan.payloads)], record,
-                       t0=t0, stream=plan.stream, headers=dict(plan.headers))
+            await send(session, plan.url_for(i), plan.payloads[i % len(plan.payloads)],
+                       record, t0=t0, stream=plan.stream, headers=dict(plan.headers))
 
     await asyncio.gather(*(one(i) for i in range(plan.num_warmups)))
 

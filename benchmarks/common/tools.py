@@ -17,6 +17,7 @@ import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common.services import HOST
 
@@ -98,3 +99,19 @@ def vllm_router_argv(
     return [binary, "--host", HOST, "--port", str(port), "--worker-urls", *replicas,
             "--policy", policy, "--log-level", "warning", "--prometheus-host", HOST,
             "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1"]
+
+
+def vllm_router_kv_args(replicas: Sequence[str], sources: Sequence[dict[str, Any]], *,
+                        block_size: int, model: str) -> list[str]:
+    """vllm-router's ``kv_aware`` flags: each replica's static event sources, from its
+    ``GET /kv_event_sources`` body (rank 0's ``tcp://*:PORT``, reached on the replica's
+    host as vLLM means a wildcard bind), and the block size and model name that HTTP
+    workers cannot tell it."""
+    argv = ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+    for url, body in zip(replicas, sources, strict=True):
+        host = url.split("//", 1)[1].rsplit(":", 1)[0]
+        rank = body["0"]
+        for flag, key in (("--kv-event-source", "endpoint"),
+                          ("--kv-event-replay-source", "replay_endpoint")):
+            argv += [flag, f"{url}={rank[key].replace('*', host)}"]
+    return argv

@@ -2,7 +2,8 @@
 
     python -m benchmarks.routing.load SPEC.json
 
-SPEC holds ``base_url``, ``dataset_path`` (a JSONL file from
+SPEC holds ``base_url`` (or ``base_urls``: several routers of one fleet, sent to in
+turn), ``dataset_path`` (a JSONL file from
 ``workloads``), ``num_prompts``, ``request_rate``, ``seed``,
 ``request_timeout_s``, ``duration_s`` (or null) and ``result_json``. The prompts
 are sent in the file's order, each with its ``output_tokens`` as ``max_tokens``
@@ -32,8 +33,11 @@ from loadtest.errors import LoadTestError
 
 
 def config_from_spec(spec: dict[str, object]) -> RunConfig:
+    base_urls = spec.get("base_urls") or [spec["base_url"]]
+    assert isinstance(base_urls, list)
+    urls = [str(u) for u in base_urls]
     return RunConfig(
-        base_url=str(spec["base_url"]), dataset="jsonl",
+        base_url=urls[0], other_base_urls=tuple(urls[1:]), dataset="jsonl",
         dataset_path=Path(str(spec["dataset_path"])), num_prompts=int(spec["num_prompts"]),
         request_rate=float(spec["request_rate"]), seed=int(spec["seed"]), shuffle=False,
         ignore_eos=True, request_timeout_s=float(spec["request_timeout_s"]),

@@ -145,7 +145,7 @@ def rate_for(args: argparse.Namespace, workload: str) -> float:
     return RATE_PER_REPLICA[workload] * args.replicas * args.rate_scale
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM: stop everything the way Ctrl-C does
 
 
@@ -234,7 +234,7 @@ class Bench:
                                 cwd=self.src if kind.startswith("dpserve") else None)
         self.services.append(service)
         url = f"http://{HOST}:{port}"
-        _wait_ready(service, url, kind, len(urls))
+        wait_ready(service, url, kind, len(urls))
         return url
 
     def _load(self, url: str, prompts: Path, rate: float, tag: str) -> dict[str, Any] | None:
@@ -260,7 +260,7 @@ class Bench:
         return dict(json.loads(result.read_text()))
 
 
-def _wait_ready(service: Service, url: str, kind: str, replicas: int) -> None:
+def wait_ready(service: Service, url: str, kind: str, replicas: int) -> None:
     """Until the router routes to every replica (dpserve: all ready in /admin/replicas)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = "no answer"
@@ -294,7 +294,7 @@ def _replica_list(body: bytes) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     work_dir = Path(tempfile.mkdtemp(prefix="dpserve-routing-"))
     bench: Bench | None = None
     failed = True
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 versions["vllm-router"] = vllm_router_version(vllm_router)
             except RuntimeError as exc:
                 print(f"note: vllm-router is not measured: {exc}")
-        versions["dpserve"] = _describe(args.dpserve_ref)
+        versions["dpserve"] = describe(args.dpserve_ref)
         sim_overrides = _read_yaml(args.sim_config)
         sim_config = fleet.write_config(work_dir / "sim.yaml", sim_overrides)
         max_model_len = int(dict(fleet.SIM_CONFIG | sim_overrides)["max_model_len"])
@@ -365,7 +365,7 @@ def _say(row: RunRow) -> None:
               f"mean miss {f.mean_error_ms or 0:.2f} ms", flush=True)
 
 
-def _describe(ref: str | None) -> str:
+def describe(ref: str | None) -> str:
     """The commit dpserve runs from (``+ working tree`` when it is not an exported ref)."""
     out = subprocess.run(["git", "-C", str(REPO), "rev-parse",
                           "--short", ref or "HEAD"], capture_output=True, text=True, check=False)

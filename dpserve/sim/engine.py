@@ -142,6 +142,8 @@ class Engine:
         self._work = asyncio.Event()
         self._step_in_flight = False
         """Between `_schedule` and `_finish_step`: the batch's tokens are being computed."""
+        self._resets: list[tuple[bool, asyncio.Future[bool]]] = []
+        """Resets waiting for the step in flight to end: (reset_running_requests, answer)."""
 
     @property
     def num_running(self) -> int:
@@ -176,7 +178,17 @@ class Engine:
         seq._notify()
 
     async def run(self) -> None:
-        """Step forever; cancel the task to stop."""
+        """Step forever; cancel the task to stop. A reset still waiting for its step to
+        end then fails with RuntimeError."""
+        try:
+            await self._step_forever()
+        finally:
+            resets, self._resets = self._resets, []
+            for _, answer in resets:
+                if not answer.done():
+                    answer.set_exception(RuntimeError("the simulated engine stopped"))
+
+    async def _step_forever(self) -> None:
         uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
         slack = 0.0 if uvloop else TIMER_SLACK_S
         clock = 0.0
@@ -199,6 +211,7 @@ class Engine:
             clock = deadline if late < RESYNC_S else _now()
             self._finish_step(batch, clock)
             self.publish_kv_events()
+            self._serve_resets()
 
     def publish_kv_events(self) -> None:
         """Hand the KV events recorded since the last call to `on_kv_events`, if any.
@@ -226,6 +239,25 @@ class Engine:
         if self._on_kv_events is not None:
             self._kv_events.append(kv_events.AllBlocksCleared())
         return True
+
+    async def reset_prefix_cache_between_steps(self, *, reset_running_requests: bool = False
+                                               ) -> bool:
+        """`reset_prefix_cache` as soon as no step is in flight: at once when the engine
+        is between steps, else when the step under way ends (after its events went out).
+        That is where vLLM's engine core serves `POST /reset_prefix_cache`; an HTTP handler
+        runs while the engine's task sleeps through a step, so it must wait for the end."""
+        if not self._step_in_flight:
+            return self.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._resets.append((reset_running_requests, answer))
+        return await answer
+
+    def _serve_resets(self) -> None:
+        resets, self._resets = self._resets, []
+        for reset_running_requests, answer in resets:
+            if not answer.done():  # its caller may have given up
+                answer.set_result(self.reset_prefix_cache(
+                    reset_running_requests=reset_running_requests))
 
     def _schedule(self) -> tuple[list[tuple[SimSequence, int]], float]:
         """Pick this step's work (steps 1 and 2 of the module docstring) and its time."""

@@ -3,9 +3,11 @@
 Routes, as vLLM's OpenAI server has them: `POST /v1/completions`,
 `POST /v1/chat/completions` (streamed as server-sent events or not),
 `POST /tokenize`, `GET /v1/models`, `GET /health`, `GET /metrics`,
-`GET /kv_event_sources` (`{}` unless `config.kv_events`; see kv_events.py). With
-`control=True` also `GET|PUT|DELETE /sim/fault` (see faults.py); off by default,
-so a router in front cannot be told about the simulation.
+`GET /kv_event_sources` (`{}` unless `config.kv_events`; see kv_events.py), and
+`POST /reset_prefix_cache[?reset_running_requests=true]`, the dev endpoint of vLLM
+(`VLLM_SERVER_DEV_MODE=1`, which dpserve starts its replicas with) that a deploy calls
+after reloading weights. With `control=True` also `GET|PUT|DELETE /sim/fault` (see
+faults.py); off by default, so a router in front cannot be told about the simulation.
 
 A client that disconnects aborts its request in the engine, as in vLLM. Not one
 of the test fakes: it models an engine's scheduler, KV cache and prefix cache in
@@ -39,6 +41,9 @@ log = logging.getLogger("dpserve.sim")
 
 SHUTDOWN_GRACE_S = 0.2
 """On stop, time open requests get before their handlers are cancelled."""
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True,
+             "false": False, "0": False, "no": False, "off": False}
+"""Query booleans as vLLM's server (FastAPI) reads them."""
 
 
 class SimReplica:
@@ -86,6 +91,7 @@ class SimReplica:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._kv_event_sources)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         if self._control:
             app.router.add_route("*", "/sim/fault", self._fault_endpoint)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -241,6 +247,22 @@ class SimReplica:
     async def _kv_event_sources(self, request: web.Request) -> web.Response:
         # vLLM answers {} when its engines publish no events.
         return web.json_response(self.kv_events.sources() if self.kv_events else {})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # As vLLM 0.32: {"success": false} when a running request holds cached blocks and
+        # reset_running_requests is not set (nothing is dropped then).
+        flag = request.query.get("reset_running_requests", "false").lower()
+        if flag not in _BOOLEANS:
+            return _error(400, f"reset_running_requests must be a boolean, not {flag!r}",
+                          param="reset_running_requests")
+        if not self.engine_alive:
+            return _error(500, "the simulated engine is not running")
+        try:
+            success = await self.engine.reset_prefix_cache_between_steps(
+                reset_running_requests=_BOOLEANS[flag])
+        except RuntimeError as exc:  # the engine stopped before its step ended
+            return _error(500, str(exc))
+        return web.json_response({"success": success})
 
     async def _fault_endpoint(self, request: web.Request) -> web.Response:
         if request.method == "PUT":

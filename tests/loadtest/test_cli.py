@@ -97,6 +97,17 @@ def test_the_per_replica_breakdown_reads_the_routers_header(
     assert "Per replica" in capsys.readouterr().out
 
 
+def test_a_repeated_base_url_sends_to_each_in_turn(threaded_server, prompts, tmp_path):
+    a, b = threaded_server(Script()), threaded_server(Script())
+    out = tmp_path / "run.json"
+    assert run("--base-url", a.url, "--base-url", b.url, "--dataset", "jsonl",
+               "--dataset-path", str(prompts), "--num-prompts", "5", "--output-len", "2",
+               "--result-json", str(out)) == 0
+    assert (a.server.received, b.server.received) == (3, 2)
+    config = json.loads(out.read_text())["config"]
+    assert (config["base_url"], config["other_base_urls"]) == (a.url, [b.url])
+
+
 def test_goodput_counts_requests_within_the_slos(threaded_server, prompts, tmp_path):
     server = threaded_server(Script(ttft_s=0.03, itl_s=0.001))
     results = {}

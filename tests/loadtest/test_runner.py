@@ -90,3 +90,15 @@ async def test_a_stop_event_ends_the_run_and_lets_requests_in_flight_finish(fake
     # The schedule would send 10,000 over 200 s; only those already on their way follow.
     assert 5 <= len(outcome.records) <= sent + 3
     assert all(r.ok and r.finish_reason == "length" for r in outcome.records)
+
+
+async def test_with_several_urls_requests_go_to_each_in_turn(fake_server):
+    a, b = await fake_server(Script(itl_s=0.001)), await fake_server(Script(itl_s=0.001))
+    p = plan(a, [0.0, 0.01, 0.02, 0.03, 0.04], num_warmups=2,
+             other_urls=[b.url + "/v1/completions"])
+    assert [p.url_for(i) for i in range(3)] == [a.url + "/v1/completions",
+                                                b.url + "/v1/completions",
+                                                a.url + "/v1/completions"]
+    outcome = await run_load(p)
+    assert all(r.ok for r in outcome.records)
+    assert (a.received, b.received) == (1 + 3, 1 + 2)  # a warm-up each, then 0,2,4 and 1,3

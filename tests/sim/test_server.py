@@ -174,6 +174,38 @@ async def test_a_repeated_long_prefix_hits_the_cache_and_comes_back_sooner(repli
     assert fresh >= fresh_engine - TIMER_SLACK_S and cached >= cached_engine - TIMER_SLACK_S
 
 
+async def test_a_prefix_cache_reset_over_http_makes_a_repeated_prefix_miss(replica):
+    system = " ".join(f"rule{i:04d}" for i in range(400))  # 800 tokens
+    await first_token_after(replica.url, f"{system} first question?")
+    async with aiohttp.ClientSession() as s, s.post(
+            replica.url + "/reset_prefix_cache") as resp:
+        assert resp.status == 200 and await resp.json() == {"success": True}
+    await first_token_after(replica.url, f"{system} second question?")
+    assert (await scrape(replica.url))["vllm:prefix_cache_hits_total"] == 0
+
+
+async def test_a_reset_under_a_running_stream_needs_reset_running_requests_as_in_vllm(replica):
+    prompt = " ".join(f"rule{i:04d}" for i in range(100))  # blocks the stream holds
+    async with aiohttp.ClientSession() as s:
+        async with s.post(replica.url + "/v1/completions", json={
+                "prompt": prompt, "max_tokens": 200, "stream": True}) as stream:
+            await stream.content.readuntil(b"\n\n")  # running, mid-step most of the time
+            async with s.post(replica.url + "/reset_prefix_cache") as resp:
+                assert await resp.json() == {"success": False}  # nothing dropped
+            async with s.post(replica.url + "/reset_prefix_cache",
+                              params={"reset_running_requests": "true"}) as resp:
+                assert await resp.json() == {"success": True}
+            async with s.post(replica.url + "/reset_prefix_cache",
+                              params={"reset_running_requests": "maybe"}) as resp:
+                assert resp.status == 400
+            chunks = (await stream.read()).split(b"\n\n")
+        # preempted and recomputed, not failed: the stream still ends with every token
+        assert sum(b'"text"' in c for c in chunks) == 199 and chunks[-2] == b"data: [DONE]"
+    m = await scrape(replica.url)
+    assert m["vllm:num_preemptions_total"] == 1
+    assert m["vllm:prefix_cache_queries_total"] > m["vllm:prefix_cache_hits_total"] == 0
+
+
 async def test_client_measured_ttft_grows_with_prompt_length_as_modelled(replica):
     for tokens in (100, 1000, 2000):
         prompt = tokenizer.decode((tokens + i) % tokenizer.VOCAB_SIZE for i in range(tokens))
