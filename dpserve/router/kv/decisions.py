@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FALLBACK_REASONS = ("no_tokens", "no_events")
+PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions")
+"""The routes whose prompt the router tokenizes and routes by cached prefix."""
 CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384)
 """Upper bounds (tokens) of the cached-prefix histogram; one more bucket holds the rest."""
 

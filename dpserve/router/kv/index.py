@@ -9,11 +9,16 @@ not know (random per process for non-cryptographic hashes) nor needs to.
 
 The chain key is Python's own `hash()` of `(parent_key, tokens_tuple)`: about 0.2 us for
 a 16-token block, where blake2b over packed ints costs several times that, and a
-prompt of 8k tokens in 16-token blocks is 512 of them per request. It is stable within
-a process (ints and tuples of ints are not salted; the adapter's name is, but only the
-root carries it), and both sides of a match are computed in the same process, so that
-is all it must be. It is not collision-resistant against a crafted prompt: the worst a
-collision does is send a request to a replica that lacks its prefix.
+prompt of 8k tokens in 16-token blocks is 512 of them per request. Ints and tuples of
+ints are not salted, and the root is a digest of the adapter's name, so keys agree
+between processes of one Python build: routers tell each other the keys they sent
+(`dpserve.router.peers`), checked by `KEY_FINGERPRINT`. It is not collision-resistant
+against a crafted prompt: the worst a collision does is send a request to a replica
+that lacks its prefix.
+
+A router's own knowledge, blocks it sent that no event has reported yet, lives beside
+the index in a :class:`~dpserve.router.kv.forecast.Forecast`, which the index keeps in
+step: a block reported stored leaves every forecast.
 
 Ordering: each replica's batches are numbered from 0 by its publisher. A batch that
 skips numbers leaves the replica *stale*: it scores 0, and later batches are ignored
@@ -27,11 +32,13 @@ unknown: the index underestimates what such a replica holds, never overestimates
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from dpserve.router.kv.events import BlockHash, Cleared, Event, Removed, Stored
+from dpserve.router.kv.forecast import Forecast
 
 DEFAULT_MAX_BLOCKS = 1_000_000
 """Blocks remembered per replica: an 80 GiB GPU of a 7B model holds ~30k 16-token
@@ -42,13 +49,33 @@ _BlockKey = tuple[str | None, int, BlockHash]
 
 
 def root_key(lora: str | None) -> int:
-    """The chain key before a prompt's first block: the adapter's, or the base model's."""
-    return hash(("lora", lora)) if lora is not None else 0
+    """The chain key before a prompt's first block: the adapter's (a digest of its name,
+    the same in every process), or the base model's."""
+    if lora is None:
+        return 0
+    digest = hashlib.blake2b(lora.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True) or 1
 
 
 def chain_key(parent: int, tokens: tuple[int, ...]) -> int:
     """The chain key of a block of `tokens` after the block whose key is `parent`."""
     return hash((parent, tokens))
+
+
+def prompt_keys(token_ids: Sequence[int], lora: str | None, block_size: int) -> list[int]:
+    """The chain keys of every full block of a prompt, in order."""
+    tokens = tuple(token_ids)
+    keys: list[int] = []
+    key = root_key(lora)
+    for end in range(block_size, len(tokens) + 1, block_size):
+        key = chain_key(key, tokens[end - block_size:end])
+        keys.append(key)
+    return keys
+
+
+KEY_FINGERPRINT = chain_key(root_key("dpserve"), tuple(range(16)))
+"""A chain key every process of the same build computes alike: routers whose
+fingerprints differ (another Python, another dpserve) cannot share keys."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +125,14 @@ class _Replica:
             else:
                 del self.chains[chain]
 
-    def store(self, event: Stored, max_blocks: int) -> None:
+    def store(self, event: Stored, max_blocks: int, forecasts: Sequence[Forecast] = (),
+              rid: Hashable = None) -> None:
         group = event.group_idx or 0
         size = event.block_size
         if group == 0:
             self.block_size = size
         n = len(event.block_hashes)
+        sent = [held for f in forecasts if (held := f.holds(rid))]
         # Only tokens that line up one block per hash can be keyed, and only in the
         # first KV-cache group (a hybrid model's other groups mirror it).
         keyable = group == 0 and len(event.token_ids) == n * size
@@ -123,6 +152,8 @@ class _Replica:
             self.blocks[key] = chain
             if chain is not None:
                 self.chains[chain] = self.chains.get(chain, 0) + 1
+                for held in sent:
+                    held.pop(chain, None)
         while len(self.blocks) > max_blocks:
             self.forget(next(iter(self.blocks)))
             self.evicted += 1
@@ -143,6 +174,19 @@ class KVIndex:
                              f"got {max_blocks_per_replica}")
         self._max_blocks = max_blocks_per_replica
         self._replicas: dict[Hashable, _Replica] = {}
+        self._forecasts: list[Forecast] = []
+
+    def forecast(self, forecast: Forecast | None = None) -> Forecast:
+        """A forecast (`forecast`, or a new one) kept in step with this index: a block
+        reported stored leaves it, a replica cleared, restarted or dropped is cleared in
+        it. Each router keeps its own (several share one index in benchmarks)."""
+        forecast = forecast if forecast is not None else Forecast()
+        self._forecasts.append(forecast)
+        return forecast
+
+    def _clear_forecasts(self, replica_id: Hashable) -> None:
+        for forecast in self._forecasts:
+            forecast.clear(replica_id)
 
     def apply(self, replica_id: Hashable, seq: int, events: Iterable[Event], *,
               skipped: int = 0) -> int | None:
@@ -157,6 +201,7 @@ class KVIndex:
         if replica.seq is not None:
             if seq == 0 and replica.seq > 0:  # the publisher restarted, with it the engine
                 replica.clear()
+                self._clear_forecasts(replica_id)
                 replica.stale = False
                 replica.latest = -1
             elif seq <= replica.seq:  # seen already (a replay overlapping the stream)
@@ -172,11 +217,12 @@ class KVIndex:
                 replica.stale = seq < replica.latest
         for event in events:
             if isinstance(event, Stored):
-                replica.store(event, self._max_blocks)
+                replica.store(event, self._max_blocks, self._forecasts, replica_id)
             elif isinstance(event, Removed):
                 replica.remove(event)
             else:
                 replica.clear()
+                self._clear_forecasts(replica_id)
         replica.seq = seq
         if replica.stale and seq >= replica.latest:  # the replay has caught up
             replica.stale = False
@@ -188,35 +234,52 @@ class KVIndex:
         """Forget a replica (down, restarted, weights reloaded): it scores 0 until it
         publishes again."""
         self._replicas.pop(replica_id, None)
+        self._clear_forecasts(replica_id)
+
+    def block_size(self, replica_id: Hashable) -> int | None:
+        """The block size of `replica_id`'s keyed blocks, once it has stored some."""
+        replica = self._replicas.get(replica_id)
+        return None if replica is None else replica.block_size
 
     def match(self, token_ids: Sequence[int], lora: str | None,
               block_size: int) -> dict[Hashable, int]:
         """For every known replica, how many of the prompt's leading full blocks it
         holds under adapter `lora` (None: the base model); 0 for a stale replica."""
-        return self._match(token_ids, lora, block_size, list(self._replicas))
+        return self._match(token_ids, lora, block_size, list(self._replicas))[0]
 
     def _match(self, token_ids: Sequence[int], lora: str | None, block_size: int,
-               rids: list[Hashable]) -> dict[Hashable, int]:
+               rids: list[Hashable], forecast: Forecast | None = None, now: float = 0.0
+               ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        """Leading full blocks held per replica: by its events, and by its events or
+        `forecast` (keys not expired at `now`) together."""
         scores: dict[Hashable, int] = dict.fromkeys(rids, 0)
+        expected = dict(scores)
         tokens = tuple(token_ids)
         full = len(tokens) // block_size
         keys: list[int] = []  # the prompt's chain keys, hashed only as deep as a replica goes
         for rid in rids:
             replica = self._replicas[rid]
-            if replica.stale or not replica.chains:
+            sent = forecast.holds(rid) if forecast is not None else None
+            if replica.stale or not (replica.chains or sent):
                 continue
             chains = replica.chains
             held = 0
+            found = True
             while held < full:
                 if held == len(keys):
                     parent = keys[-1] if keys else root_key(lora)
                     end = (held + 1) * block_size
                     keys.append(chain_key(parent, tokens[end - block_size:end]))
-                if keys[held] not in chains:
-                    break
+                key = keys[held]
+                if key not in chains:
+                    if not sent or sent.get(key, now) <= now:
+                        break
+                    found = False
                 held += 1
-            scores[rid] = held
-        return scores
+                if found:
+                    scores[rid] = held
+            expected[rid] = held
+        return scores, expected
 
     def cached_tokens(self, token_ids: Sequence[int], lora: str | None
                       ) -> dict[Hashable, int]:
@@ -224,6 +287,14 @@ class KVIndex:
         prompt's leading tokens it holds under adapter `lora`, in whole blocks of its
         own block size (0: none, or nothing keyed stored yet). A stale replica is left
         out: what it holds is not known."""
+        return self.expected_tokens(token_ids, lora)[0]
+
+    def expected_tokens(self, token_ids: Sequence[int], lora: str | None,
+                        forecast: Forecast | None = None, now: float = 0.0
+                        ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        """`cached_tokens`, and beside it the same counting also the blocks `forecast`
+        says were sent there (unexpired at `now`) and not reported yet: a prefix counts
+        as long as each of its blocks is held or forecast."""
         by_size: dict[int, list[Hashable]] = {}
         found: dict[Hashable, int] = {}
         for rid, replica in self._replicas.items():
@@ -232,11 +303,13 @@ class KVIndex:
             found[rid] = 0
             if replica.block_size is not None:
                 by_size.setdefault(replica.block_size, []).append(rid)
+        expected = dict(found)
         for size, rids in by_size.items():
-            blocks = self._match(token_ids, lora, size, rids)
+            blocks, with_sent = self._match(token_ids, lora, size, rids, forecast, now)
             for rid in rids:
                 found[rid] = blocks[rid] * size
-        return found
+                expected[rid] = with_sent[rid] * size
+        return found, expected
 
     def stats(self) -> dict[Hashable, ReplicaStats]:
         return {rid: ReplicaStats(blocks=len(r.blocks), stale=r.stale, seq=r.seq,

@@ -40,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpserve.router.kv.decisions import PROMPT_ROUTES
 from dpserve.router.kv.prompt import Budget, PromptEncoder, TokenIds
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = PROMPT_ROUTES
 
 
 def _default_workers() -> int:

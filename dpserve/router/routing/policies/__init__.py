@@ -103,6 +103,7 @@ def _named_policy(name: str, *, rng: random.Random | None, prefix_chars: int,
     if name == "kv-aware":
         fallback = PrefixAffinity(prefix_chars=prefix_chars, clock=clock,
                                   load_factor=load_factor or PREFIX_LOAD_FACTOR)
-        return KVAware(kv_index if kv_index is not None else KVIndex(), fallback=fallback,
-                       clock=clock, load_factor=load_factor or KV_LOAD_FACTOR)
+        index = kv_index if kv_index is not None else KVIndex()
+        return KVAware(index, fallback=fallback, forecast=index.forecast(), clock=clock,
+                       load_factor=load_factor or KV_LOAD_FACTOR)
     raise ValueError(f"unknown policy {name!r}")

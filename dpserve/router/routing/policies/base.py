@@ -45,6 +45,14 @@ class Policy(Protocol):
         ...
 
 
+class PeerWork(Protocol):
+    """What other routers (`dpserve.router.peers`) say they sent each replica lately."""
+
+    def work(self, url: str, now: float) -> float:
+        """Their decayed count of requests sent to the replica at `url`, at `now`."""
+        ...
+
+
 Journal = dict[str, Any]
 """What a policy with memory learned lately, for the router's other workers:
 `{"work": {replica id: requests sent}, "homes": [(key, replica id), ...]}`."""

@@ -20,13 +20,15 @@ def fresh_report(replica: Replica, now: float, max_age_s: float) -> EngineLoad |
 
 def engine_queue(replica: Replica, now: float, max_age_s: float) -> float:
     """Requests queued on `replica` (running and waiting): its engine's last report
-    plus the router's in-flight change since, never below the router's own in-flight
-    count; that count alone when the report is missing or stale (`fresh_report`)."""
+    plus the in-flight change since of this router and its peers (0 without), never
+    below their in-flight count; that count alone when the report is missing or stale
+    (`fresh_report`)."""
+    routed = replica.in_flight + replica.peer_in_flight
     load = fresh_report(replica, now, max_age_s)
     if load is None or load.num_requests is None:
-        return float(replica.in_flight)
-    since = replica.in_flight - replica.engine_in_flight_at_scrape
-    return float(max(load.num_requests + since, replica.in_flight))
+        return float(routed)
+    since = routed - replica.engine_in_flight_at_scrape - replica.engine_peer_in_flight_at_scrape
+    return float(max(load.num_requests + since, routed))
 
 
 class EngineLoadPolicy:

@@ -6,26 +6,30 @@ Each candidate's cost, in units of one request's work::
     cost = (1 - cached(r) / prompt) + load_weight * queue(r)
 
 `cached(r)` is how many of the prompt's leading tokens replica `r` holds, in whole
-blocks, by its own events; `prompt` the prompt's length in tokens; `queue(r)` its
-requests running and waiting as its engine last reported them, plus what this
-router sent it (or saw finish) since (:func:`engine_queue`). Lowest cost wins; ties
-(nothing cached anywhere, equal queues) go to the replica sent the least lately, by
-the fallback's count (:meth:`PrefixAffinity.least`), which spreads new prefixes as
-evenly as round robin; every request is counted there once, whichever decided it, so
-with data-plane workers the spreading is shared as the fallback's is.
+blocks, by its own events or because this router (or a peer router) sent it a prompt
+starting so, not yet reported (`forecast`, :mod:`dpserve.router.kv.forecast`);
+`prompt` the prompt's length in tokens; `queue(r)` its requests running and waiting as
+its engine last reported them, plus what this router and its peers sent it (or saw
+finish) since (:func:`engine_queue`). Lowest cost wins; ties (nothing cached anywhere,
+equal queues) go to the replica sent the least lately, by the fallback's count
+(:meth:`PrefixAffinity.least`), with what peer routers say they sent, which
+spreads new prefixes as evenly as round robin; every request is counted there once,
+whichever decided it, so with data-plane workers the spreading is shared as the
+fallback's is.
 
 Both terms come from the engines: the events, and the queue as the engines count it,
 seen by all routers alike. So two routers behind one address send a prefix where it is
 cached, not each to its own guess (what
 :class:`~dpserve.router.routing.policies.prefix_affinity.PrefixAffinity` must do).
-What they do not share is what each sent since its last scrape, and that is what
-places a prompt cached nowhere: two routers put 18-19% of such prompts on a replica still
-prefilling another, one router 6% (~5% of mean TTFT; benchmarks/routing/README.md,
-kv_ties). The events cannot tell them: a prompt's blocks are published when the step
-that computed them ends, so a prefill shows once it is done.
+What the events cannot tell them is what each sent since its last scrape, and that is
+what places a prompt cached nowhere: two routers put 18-19% of such prompts on a replica
+still prefilling another, one router 6% (~5% of mean TTFT; benchmarks/routing/README.md,
+kv_ties). A prompt's blocks are published when the step that computed them ends, so a
+prefill shows once it is done. Routers told of each other (`dpserve.router.peers`)
+share that too: their in-flight counts, their recent work and the prompts they sent.
 
-`load_weight` prices a queued request against a prefill: at 0.15 a replica holding a
-whole prompt is preferred while it has fewer than seven more requests queued than one
+`load_weight` prices a queued request against a prefill: at 0.05 a replica holding a
+whole prompt is preferred while it has fewer than twenty more requests queued than one
 holding none. Like prefix affinity, replicas at the bounded-load cap (`load_factor` x
 the fleet's average in flight) are left out first, so a stuck replica, whose in-flight
 count climbs, is not sent more because of its cache.
@@ -34,7 +38,9 @@ When the events cannot decide, the request is placed by `fallback` (prefix affin
 by default) and the reason is counted: the prompt has no token ids (several prompts,
 a body the tokenizer could not render exactly, tokenization off), or no candidate is
 known to the index (no replica publishes events, all are stale after a gap). `stats`
-says how often each happened: the fallback is visible, never silent.
+says how often each happened: the fallback is visible, never silent. A request without
+a prompt (the model list, `/tokenize`, embeddings) is no routing decision: it goes to
+the replica sent the least lately, and is neither counted nor charged as work.
 """
 
 from __future__ import annotations
@@ -44,24 +50,39 @@ import time
 from collections.abc import Callable, Sequence
 
 from dpserve.router.fleet.pool import Replica
-from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRoutingStats
-from dpserve.router.kv.index import KVIndex
+from dpserve.router.kv.decisions import (
+    CACHED_BUCKETS,
+    FALLBACK_REASONS,
+    PROMPT_ROUTES,
+    KVRoutingStats,
+)
+from dpserve.router.kv.forecast import Forecast
+from dpserve.router.kv.index import KVIndex, prompt_keys
 from dpserve.router.routing.policies.base import RequestInfo
 from dpserve.router.routing.policies.engine_load import engine_queue
 from dpserve.router.routing.policies.prefix_affinity import PrefixAffinity
 from dpserve.router.routing.policies.recent_work import under_cap
 
-KV_LOAD_WEIGHT = 0.15
-"""A queued request costs 0.15 of a full prefill: a replica with the whole prompt cached
-is preferred while at most six more requests are queued on it. Most of a queue is
+KV_LOAD_WEIGHT = 0.05
+"""A queued request costs 0.05 of a full prefill: a replica with the whole prompt cached
+is preferred while at most nineteen more requests are queued on it. Most of a queue is
 decoding requests, each a millisecond or two of a step, not a prefill: at 0.5 a chat's
 turns left their cached context for a replica two requests lighter, and recomputed it
-(hit rate 58% against prefix affinity's 73%; at 0.1-0.2, 73%, and p99 TTFT under cache
-pressure 0.66x the best other policy's: benchmarks/routing/README.md, kv_study)."""
+(hit rate 58% against prefix affinity's 73%); at 0.15, tenants' short questions behind
+2,000-token system prompts left their home for a queue seven shorter and recomputed
+the prompt (hit rate 85.6% against 89.3%); at 0.05, 89.1%, chat 73.1% with the cache
+fitting, and under cache pressure p99 TTFT 0.61x the best other policy's
+(benchmarks/routing/README.md, kv_study)."""
 KV_LOAD_FACTOR = 3.0
 """The bounded-load cap, as prefix affinity's (benchmarks/routing/README.md)."""
 ENGINE_REPORT_MAX_AGE_S = 10.0
 """An engine report older than this is not believed: the router's own count is used."""
+MAX_SENT_KEPT = 256
+"""Prompts kept for peers between two reports (a report goes every few milliseconds);
+past this, the oldest are not told: a peer then merely misses a forecast."""
+
+SentPrompt = tuple[str, int, tuple[int, ...]]
+"""(replica URL, block size, the chain keys of the prompt's full blocks)."""
 
 
 class KVAware:
@@ -71,7 +92,11 @@ class KVAware:
 
     def __init__(self, index: KVIndex, *, fallback: PrefixAffinity,
                  load_weight: float = KV_LOAD_WEIGHT, load_factor: float = KV_LOAD_FACTOR,
+                 forecast: Forecast | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`forecast`: the prompts this router sent that the engines have not reported,
+        counted as held (kept in step with `index`: :meth:`KVIndex.forecast`); None
+        routes on the events alone."""
         if load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         if load_factor < 1.0:
@@ -81,6 +106,9 @@ class KVAware:
         self.load_weight = load_weight
         self.load_factor = load_factor
         self._clock = clock
+        self.forecast = forecast
+        self.sent: list[SentPrompt] | None = None
+        """Prompts placed since peers last took them (`take_sent`); None: nobody asks."""
         self.needs: frozenset[str] = frozenset({"tokens", "engine_load"}) | fallback.needs
         self.stats = KVRoutingStats(fallbacks=dict.fromkeys(FALLBACK_REASONS, 0),
                                     cached_histogram=[0] * (len(CACHED_BUCKETS) + 1))
@@ -88,22 +116,26 @@ class KVAware:
     def select(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | None:
         if not candidates:
             return None
+        if request.route not in PROMPT_ROUTES:
+            return self.fallback.least(under_cap(candidates, self.load_factor))
         tokens = request.tokens
         if not tokens:
             return self._fall_back(candidates, request, "no_tokens")
-        held = self.index.cached_tokens(tokens, request.adapter)
+        now = self._clock()
+        held, expected = self.index.expected_tokens(tokens, request.adapter, self.forecast,
+                                                    now)
         if not any(r.id in held for r in candidates):
             return self._fall_back(candidates, request, "no_events")
         open_ = under_cap(candidates, self.load_factor)
-        now = self._clock()
         prompt = len(tokens)
-        costs = {r.id: (1.0 - min(held.get(r.id, 0), prompt) / prompt)
+        costs = {r.id: (1.0 - min(expected.get(r.id, 0), prompt) / prompt)
                  + self.load_weight * engine_queue(r, now, ENGINE_REPORT_MAX_AGE_S)
                  for r in open_}
         best = min(costs.values())
         tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
         chosen = self.fallback.send(self.break_tie(tied) if len(tied) > 1 else tied[0])
         cached = min(held.get(chosen.id, 0), prompt)
+        self._forecast(chosen, tokens, request.adapter, cached, now)
         stats = self.stats
         stats.on_events += 1
         stats.prompt_tokens += prompt
@@ -115,9 +147,37 @@ class KVAware:
 
     def break_tie(self, tied: Sequence[Replica]) -> Replica:
         """Of several replicas of equal cost (nothing cached, equal queues), the one sent
-        the least lately (by this router, and its workers). A subclass may choose
-        otherwise: what-ifs in benchmarks/routing/kv_ties.py."""
+        the least lately (by this router, its workers and its peers). A subclass may
+        choose otherwise: what-ifs in benchmarks/routing/kv_ties.py."""
         return self.fallback.least(tied)
+
+    def _forecast(self, chosen: Replica, tokens: Sequence[int], adapter: str | None,
+                  cached: int, now: float) -> None:
+        """Count the prompt's blocks that `chosen` does not hold yet (`cached` tokens it
+        does) as held there until its engine reports them (or the forecast's time runs
+        out), and keep them for peers. Blocks it holds already are left to the events:
+        evicted later, they must stop counting then, not when a forecast expires."""
+        forecast = self.forecast
+        if forecast is None:
+            return
+        size = self.index.block_size(chosen.id)
+        if size is None:
+            return
+        forecast.prune(now)
+        keys = prompt_keys(tokens, adapter, size)[cached // size:]
+        if not keys:
+            return
+        forecast.add(chosen.id, keys, now)
+        sent = self.sent
+        if sent is not None:
+            sent.append((chosen.url, size, tuple(keys)))
+            if len(sent) > MAX_SENT_KEPT:
+                del sent[0]
+
+    def take_sent(self) -> list[SentPrompt]:
+        """The prompts placed since the last call (the first call starts keeping them)."""
+        sent, self.sent = self.sent or [], []
+        return sent
 
     def _fall_back(self, candidates: Sequence[Replica], request: RequestInfo,
                    reason: str) -> Replica | None:

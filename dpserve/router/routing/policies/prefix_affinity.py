@@ -5,7 +5,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from dpserve.router.fleet.pool import Replica
-from dpserve.router.routing.policies.base import Journal, RequestInfo
+from dpserve.router.routing.policies.base import Journal, PeerWork, RequestInfo
 from dpserve.router.routing.policies.consistent_hash import stable_hash
 from dpserve.router.routing.policies.keys import DEFAULT_PREFIX_CHARS
 from dpserve.router.routing.policies.recent_work import DEFAULT_HALF_LIFE_S, RecentWork, under_cap
@@ -77,6 +77,9 @@ class PrefixAffinity:
         self._sent: dict[str, int] | None = None
         """Since the last `journal`: requests sent per replica (None: nobody asks)."""
         self._new_homes: list[tuple[int, str]] = []
+        self.peers: PeerWork | None = None
+        """What other routers say they sent lately (`dpserve.router.peers`), spread by as
+        this router's own work."""
         self.on_journal: Callable[[], None] | None = None
         """Called when the journal gets its first entry since it was last taken."""
 
@@ -85,7 +88,7 @@ class PrefixAffinity:
             return None
         open_ = under_cap(candidates, self.load_factor)
         if not request.prefix:
-            return self.send(self._spread.least(open_))
+            return self.send(self.least(open_))
         key = stable_hash(f"{request.model or ''}\0{request.prefix[: self.prefix_chars]}")
         homes = self._homes.get(key)
         if homes is None:
@@ -97,8 +100,8 @@ class PrefixAffinity:
         by_id = {r.id: r for r in open_}
         held = [by_id[rid] for rid in homes if rid in by_id]
         if held:
-            return self.send(self._spread.least(held))
-        chosen = self._spread.least(open_)
+            return self.send(self.least(held))
+        chosen = self.least(open_)
         if chosen.id not in homes:
             homes.append(chosen.id)
             if self._sent is not None:
@@ -117,8 +120,17 @@ class PrefixAffinity:
         return replica
 
     def least(self, candidates: Sequence[Replica]) -> Replica:
-        """Of `candidates` (not empty), the one sent the least work lately."""
-        return self._spread.least(candidates)
+        """Of `candidates` (not empty), the one sent the least work lately, by this
+        router (and its workers) and its peers."""
+        peers = self.peers
+        if peers is None:
+            return self._spread.least(candidates)
+        now = self.clock()
+        return self._spread.least(candidates, lambda r: peers.work(r.url, now))
+
+    def work(self, replica: Replica) -> float:
+        """What this router (and its workers) sent `replica` lately, decayed to now."""
+        return self._spread.work(replica, self.clock())
 
     def _learned(self) -> None:
         if not self._sent and not self._new_homes and self.on_journal is not None:

@@ -66,16 +66,20 @@ class RecentWork:
         value, at = self._sent.get(replica.id, (0.0, now))
         return value * math.exp(-self._rate * (now - at))
 
-    def least(self, candidates: Sequence[Replica]) -> Replica:
-        """The candidate sent the least lately; ties go in id order after the last one
-        chosen. `candidates` must not be empty."""
+    def least(self, candidates: Sequence[Replica],
+              extra: Callable[[Replica], float] | None = None) -> Replica:
+        """The candidate sent the least lately (plus `extra(replica)`: work others say
+        they sent); ties go in id order after the last one chosen. `candidates` must not
+        be empty."""
         now = self._clock()
         ordered = sorted(candidates, key=_order)
         last = self._last
         start = next((i for i, r in enumerate(ordered) if last is not None and _order(r) > last),
                      0)
         turn = ordered[start:] + ordered[:start]
-        return min(turn, key=lambda r: self.work(r, now))
+        if extra is None:
+            return min(turn, key=lambda r: self.work(r, now))
+        return min(turn, key=lambda r: self.work(r, now) + extra(r))
 
     def charge(self, replica: Replica, units: float = 1.0) -> None:
         """Count `units` of new work sent to `replica`, now."""

@@ -57,15 +57,16 @@ def test_the_replica_holding_the_longest_prefix_gets_the_request():
 
 
 def test_a_cached_prefix_is_not_worth_any_queue():
-    """At load weight 0.15 a whole cached prompt is worth at most six queued requests."""
+    """At load weight 0.05 a whole cached prompt is worth at most nineteen queued
+    requests."""
     index = KVIndex()
     cached, empty = replicas(0, 0)
     stored(index, "r0", 8)
     stored(index, "r1", 0)
     scraped(empty, running=0)
-    scraped(cached, running=6)  # 6 x 0.15 = 0.9 < the whole prefill (1.0)
+    scraped(cached, running=19)  # 19 x 0.05 = 0.95 < the whole prefill (1.0)
     assert policy(index).select([cached, empty], request()).id == "r0"
-    scraped(cached, running=7)  # 7 x 0.15 = 1.05
+    scraped(cached, running=21)  # 21 x 0.05 = 1.05
     assert policy(index).select([cached, empty], request()).id == "r1"
 
 
