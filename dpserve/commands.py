@@ -38,7 +38,7 @@ from a flag, where `ps` would show them."""
 LORA_FLAGS = ("enable_lora", "max_loras", "lora_affinity", "max_lora_rank", "max_cpu_loras",
               "loras")
 ROUTER_ONLY_FLAGS = ("discover", "discover_interval_s", "route_around_paused", "deploy_lock",
-                     "deployed_link")
+                     "deployed_link", "peers", "peer_bind", "peer_key_file")
 SERVE_FLAGS = ("model", "served_model_name", "replicas", "gpus", "cpu_kvcache_gib",
                "cpu_binds", "startup_timeout_s", "run_dir")
 
@@ -60,6 +60,11 @@ FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
     "kv_events_replay_endpoint": {"metavar": "tcp://*:PORT"},
     "loras": {"flags": ("--lora",), "action": "append", "metavar": "NAME=DIR"},
     "discover": {"metavar": "dns://NAME:PORT"},
+    "peers": {"flags": ("--peer",), "action": "append", "metavar": "HOST:PORT"},
+    "peer_bind": {"metavar": "HOST:PORT"},
+    "peer_key_file": {"metavar": "FILE",
+                      "help": "file with the key peers sign their reports with, at least 32 "
+                              "characters (or set DPSERVE_PEER_KEY)"},
     "deploy_lock": {"metavar": "FILE"},
     "deployed_link": {"metavar": "LINK"},
 }

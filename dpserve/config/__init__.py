@@ -32,7 +32,7 @@ from dpserve.config.checks import (
     validate_router,
     validate_serve,
 )
-from dpserve.config.keys import resolve_keys
+from dpserve.config.keys import read_keys, resolve_keys
 from dpserve.config.schema import (
     POLICIES,
     PolicyName,
@@ -66,7 +66,11 @@ def build_router_config(
     keys = resolve_keys(api_key=cfg.api_key, api_keys=cfg.api_keys,
                         api_key_file=cfg.api_key_file, admin_key=cfg.admin_key,
                         admin_key_file=cfg.admin_key_file, env=env)
+    peer_key = cfg.peer_key
+    if cfg.peer_key_file is not None:
+        (_, peer_key), *_ = read_keys(cfg.peer_key_file, "router.peer_key_file")
     cfg = dataclasses.replace(cfg, api_keys=keys.api_keys, admin_key=keys.admin_key,
+                              peer_key=peer_key,
                               otlp_traces_endpoint=cfg.otlp_traces_endpoint
                               or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None)
     validate_router(cfg)

@@ -53,6 +53,7 @@ def validate_router(c: RouterConfig) -> None:
         require(value > 0, f"router.{name}", "must be > 0", value)
     _validate_lora(c)
     _validate_kv(c)
+    _validate_peers(c)
     require(c.prefix_chars >= 1, "router.prefix_chars", "must be >= 1", c.prefix_chars)
     for name in ("max_attempts", "unhealthy_threshold", "healthy_threshold",
                  "breaker_failures"):
@@ -188,11 +189,39 @@ def _validate_kv(c: RouterConfig) -> None:
 
 
 _KV_ENDPOINT = re.compile(r"tcp://\*:([1-9][0-9]{0,4})")
+MIN_PEER_KEY_CHARS = 32
+_PEER_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._*-]+):([1-9][0-9]{0,4})")
+
+
+def _validate_peers(c: RouterConfig) -> None:
+    for name, values in (("peers", c.peers or []), ("peer_bind", [c.peer_bind] if
+                                                      c.peer_bind is not None else [])):
+        for value in values:
+            found = _PEER_ADDRESS.fullmatch(value)
+            require(found is not None and int(found[2]) <= 65535, f"router.{name}",
+                    "must be HOST:PORT ([ADDR]:PORT for IPv6)", value)
+    if not c.peers and c.peer_bind is None:
+        return
+    require(bool(c.peers), "router.peer_bind", "needs peers (the other routers)",
+            c.peer_bind)
+    require(c.peer_key is not None, "router.peer_key",
+            "must be set with peers (DPSERVE_PEER_KEY or peer_key_file): reports between "
+            "routers are signed", None)
+    assert c.peer_key is not None
+    require(len(c.peer_key) >= MIN_PEER_KEY_CHARS and c.peer_key.isprintable()
+            and " " not in c.peer_key, "router.peer_key",
+            f"must be at least {MIN_PEER_KEY_CHARS} printable characters, no spaces",
+            "<hidden>")
+    require(c.workers == 1, "router.workers",
+            "must be 1 with peers (several workers do not share with peers yet)", c.workers)
 
 
 def validate_serve(c: ServeConfig) -> None:
     require(c.router.discover is None, "router.discover",
              "only `dpserve router` discovers replicas; `serve` starts its own", c.router.discover)
+    require(not c.router.peers, "router.peers",
+            "only `dpserve router` has peers; `serve` is one router for its replicas",
+            c.router.peers)
     require(bool(c.model.strip()), "model", "must not be empty", c.model)
     if c.replicas is not None:
         require(c.replicas >= 1, "replicas", "must be >= 1", c.replicas)

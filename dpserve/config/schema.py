@@ -84,6 +84,24 @@ class RouterConfig:
     `tcp://*:PORT`; unset: a gap leaves the replica unscored until its cache resets."""
     kv_events_topic: str = "kv"
     """With `kv_events_endpoint`: the topic the replicas publish their events on."""
+    peers: list[str] | None = None
+    """Other routers in front of the same replicas, as `HOST:PORT` of their `peer_bind`;
+    each HOST is resolved to all its addresses (a Kubernetes headless Service of the
+    router pods names them all; this router's own reports are ignored). Each router tells
+    the others, every 10 ms while something changes, its requests in flight on each
+    replica, which `kv-aware` and `engine-load` add to the engines' queue, and under
+    `kv-aware` the work it sent lately and the prompts it sent (counted as cached where
+    they went until the engine reports them). Needs `peer_key`. `dpserve router` only,
+    one worker."""
+    peer_bind: str | None = None
+    """`HOST:PORT` where this router publishes its reports to its peers (e.g.
+    `0.0.0.0:5560`); unset with `peers` set: this router only listens."""
+    peer_key: str | None = field(default=None, repr=False)
+    """Key every peer signs its reports with (HMAC-SHA256): at least 32 characters,
+    the same on every router. From DPSERVE_PEER_KEY or `peer_key_file`, never on the
+    command line. Reports are signed, not encrypted: admit only the routers to the port."""
+    peer_key_file: str | None = None
+    """File holding `peer_key` (its first line), e.g. a mounted Kubernetes secret."""
     engine_scrape_interval_s: float = 1.0
     """`engine-load` and `lora_affinity`: period of reading every replica's /metrics
     (queue, KV cache, the adapters it runs)."""

@@ -72,6 +72,11 @@ class Replica:
     engine_in_flight_at_scrape: int = 0
     """The router's `in_flight` on this replica at that scrape, so a policy can add what
     the router sent (or saw finish) since then to the engine's possibly stale numbers."""
+    peer_in_flight: int = 0
+    """Requests other routers have in flight on it, as they last said
+    (`dpserve.router.peers`); 0 without peers."""
+    engine_peer_in_flight_at_scrape: int = 0
+    """`peer_in_flight` at the last scrape."""
 
     def __repr__(self) -> str:
         return f"Replica({self.id}, {self.url}, {self.state.value}, in_flight={self.in_flight})"
@@ -206,3 +211,4 @@ class ReplicaPool:
         replica.engine = load
         replica.engine_scraped_at = now
         replica.engine_in_flight_at_scrape = replica.in_flight
+        replica.engine_peer_in_flight_at_scrape = replica.peer_in_flight

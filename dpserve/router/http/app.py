@@ -37,6 +37,8 @@ from dpserve.router.forward.proxy import ProxyEndpoint
 from dpserve.router.http.admin import admin_routes
 from dpserve.router.http.auth import Authenticate, auth_options, authenticate
 from dpserve.router.kv.routing import KVRouting, PromptTokens
+from dpserve.router.peers.link import PeerLink
+from dpserve.router.peers.metrics import PeerCollector
 from dpserve.router.routing.dispatch import Dispatcher
 from dpserve.router.routing.policies import kv_aware_of, make_policy
 from dpserve.router.telemetry.federate import EngineMetrics, engine_metrics_endpoint
@@ -97,6 +99,10 @@ class Router:
         kv_policy = kv_aware_of(self.policy)
         if self.kv is not None and kv_policy is not None:
             self.kv.register(self.metrics.registry, kv_policy.stats)
+        self.peers = PeerLink(pool, config, kv_policy) if config.peers else None
+        """The other routers in front of these replicas (`dpserve.router.peers`)."""
+        if self.peers is not None:
+            self.metrics.registry.register(PeerCollector(self.peers))
         self.dispatcher = Dispatcher(pool, self.policy, config)
         self.adapters = adapters if adapters is not None else Adapters()
         """LoRA adapter versions served beside the base model (filled by deploys)."""
@@ -154,6 +160,8 @@ class Router:
                      "--tokenizer)")
         if self.kv is not None:  # before the first replica is admitted: none is missed
             await self.kv.start()
+        if self.peers is not None:
+            await self.peers.start()
         await self.health.check_all()
         await self.health.admitted()
         self._tasks.append(asyncio.create_task(self.health.run(), name="dpserve-health"))
@@ -168,6 +176,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self.peers is not None:
+            await self.peers.aclose()
         if self.kv is not None:
             await self.kv.aclose()
         await self.health.aclose()

@@ -1,0 +1,161 @@
+"""What this router's peers told it, applied where routing reads it.
+
+- **In flight.** Each report carries its sender's requests in flight per replica,
+  absolute. Their sum over live peers becomes the replica's `peer_in_flight`, which
+  :func:`~dpserve.router.routing.policies.engine_load.engine_queue` adds to the engine's
+  last report as it does this router's own: two routers then see each other's sends
+  of the last second, which the engines' scrape (up to 1 s old) does not show. Without
+  that, two kv-aware routers put 18-19% of new prompts on a replica already prefilling
+  another, one router 6% (benchmarks/routing/README.md, kv_ties).
+- **Work.** Each sender's decayed count of recent work per replica, decayed on here from
+  when it arrived (`work`): kv-aware breaks ties by its own count plus its peers'.
+- **Prompts sent.** The chain keys of each prompt a peer sent, added to this router's
+  forecast for that replica (`dpserve.router.kv.forecast`): a tenant's second request
+  finds the first one's prefill wherever it went, whichever router placed it. Only
+  from peers whose keys mean the same (`KEY_FINGERPRINT`), at the replica's block size.
+
+A peer not heard for `silent_s` is forgotten: its in-flight counts leave the replicas
+(a router that died holds nothing). Reports of one sender arriving out of order are
+ignored (`seq`); a restarted router is a new sender. Bounded: `max_peers` senders,
+the longest silent forgotten first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.kv.forecast import Forecast
+from dpserve.router.kv.index import KEY_FINGERPRINT, KVIndex
+from dpserve.router.peers.wire import PeerReport
+from dpserve.router.routing.policies.recent_work import DEFAULT_HALF_LIFE_S
+
+PEER_SILENT_S = 3.0
+"""A peer reports at least every second (`dpserve.router.peers.link`); three missed
+heartbeats and its counts are dropped."""
+MAX_PEERS = 64
+"""Senders remembered: a fleet has a few routers; restarts make new senders, which the
+silent rule forgets within seconds."""
+
+
+def replica_key(url: str) -> str:
+    """A replica's URL as routers compare it."""
+    return url.rstrip("/")
+
+
+@dataclass(slots=True)
+class _Peer:
+    seq: int
+    heard_at: float
+    in_flight: dict[str, int]
+    work: dict[str, float]
+    """Replica URL -> the sender's work there, as of `heard_at`."""
+
+
+@dataclass(slots=True)
+class PeerStats:
+    """What the peers' reports did, for `/metrics`."""
+
+    reports: int = 0
+    """Reports applied."""
+    out_of_order: int = 0
+    """Reports older than one already applied from the same sender, ignored."""
+    foreign_keys: int = 0
+    """Reports whose prompts' keys this router cannot read (another build), prompts
+    ignored."""
+    prompts: int = 0
+    """Prompts of peers added to the forecast."""
+    unknown_replicas: int = 0
+    """Prompts for a replica this router does not have or has no events of yet."""
+    forgotten: int = 0
+    """Peers dropped after `silent_s` without a report."""
+
+
+class PeerState:
+    """The peers' reports, kept and applied to `pool`'s replicas and to `forecast`."""
+
+    def __init__(self, pool: ReplicaPool, *, index: KVIndex | None = None,
+                 forecast: Forecast | None = None, half_life_s: float = DEFAULT_HALF_LIFE_S,
+                 silent_s: float = PEER_SILENT_S, max_peers: int = MAX_PEERS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._index = index
+        self._forecast = forecast
+        self._rate = math.log(2) / half_life_s
+        self._silent_s = silent_s
+        self._max_peers = max_peers
+        self._clock = clock
+        self._peers: dict[bytes, _Peer] = {}
+        self.stats = PeerStats()
+
+    def receive(self, report: PeerReport) -> None:
+        """Apply one report (the channel's `on_report`)."""
+        now = self._clock()
+        peer = self._peers.get(report.sender)
+        if peer is not None and report.seq <= peer.seq:
+            self.stats.out_of_order += 1
+            return
+        if peer is None and len(self._peers) >= self._max_peers:
+            oldest = min(self._peers, key=lambda s: self._peers[s].heard_at)
+            del self._peers[oldest]
+        self._peers[report.sender] = _Peer(
+            seq=report.seq, heard_at=now,
+            in_flight={replica_key(u): n for u, n in report.in_flight.items()},
+            work={replica_key(u): w for u, w in report.work.items()})
+        self.stats.reports += 1
+        self._apply_in_flight()
+        if report.pending:
+            self._add_prompts(report, now)
+
+    def expire(self) -> None:
+        """Forget peers silent for `silent_s` (call it every so often)."""
+        now = self._clock()
+        gone = [s for s, p in self._peers.items() if now - p.heard_at > self._silent_s]
+        for sender in gone:
+            del self._peers[sender]
+        if gone:
+            self.stats.forgotten += len(gone)
+            self._apply_in_flight()
+
+    def live(self) -> int:
+        """Peers heard within `silent_s`."""
+        now = self._clock()
+        return sum(1 for p in self._peers.values() if now - p.heard_at <= self._silent_s)
+
+    def work(self, url: str, now: float) -> float:
+        """The peers' decayed work sent to the replica at `url`, at `now` (kv-aware's
+        tie-break: :class:`~dpserve.router.routing.policies.base.PeerWork`)."""
+        key = replica_key(url)
+        total = 0.0
+        for peer in self._peers.values():
+            value = peer.work.get(key)
+            if value:
+                total += value * math.exp(-self._rate * max(0.0, now - peer.heard_at))
+        return total
+
+    def _apply_in_flight(self) -> None:
+        totals: dict[str, int] = {}
+        for peer in self._peers.values():
+            for url, n in peer.in_flight.items():
+                totals[url] = totals.get(url, 0) + n
+        for replica in self._pool:
+            replica.peer_in_flight = totals.get(replica_key(replica.url), 0)
+
+    def _add_prompts(self, report: PeerReport, now: float) -> None:
+        index, forecast = self._index, self._forecast
+        if index is None or forecast is None:
+            return
+        if report.fingerprint != KEY_FINGERPRINT:
+            self.stats.foreign_keys += 1
+            return
+        by_url = {replica_key(r.url): r for r in self._pool}
+        for url, size, keys in report.pending:
+            replica = by_url.get(replica_key(url))
+            if replica is None or index.block_size(replica.id) != size:
+                self.stats.unknown_replicas += 1
+                continue
+            forecast.add(replica.id, keys, now)
+            self.stats.prompts += 1
