@@ -40,6 +40,7 @@ Leaves out the network, the router's own latency, tokenization cost and a real v
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import random
 import sys
@@ -51,8 +52,8 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from benchmarks.routing import quality, workloads
 from benchmarks.routing import sim_fleet as fleet
-from benchmarks.routing import workloads
 from benchmarks.routing.kv_report import report
 from benchmarks.routing.vclock import (
     ARRIVAL,
@@ -66,7 +67,13 @@ from dpserve.router.fleet.engine_metrics import EngineLoad
 from dpserve.router.fleet.pool import Replica, ReplicaState
 from dpserve.router.kv.events import Event, decode
 from dpserve.router.kv.index import KVIndex
-from dpserve.router.routing.policies import KVAware, Policy, RequestInfo, make_policy
+from dpserve.router.routing.policies import (
+    KVAware,
+    Policy,
+    PrefixAffinity,
+    RequestInfo,
+    make_policy,
+)
 from dpserve.router.routing.policies.kv_aware import KV_LOAD_FACTOR, KV_LOAD_WEIGHT
 from dpserve.sim.config import SimConfig, build_sim_config
 from dpserve.sim.engine import SimSequence
@@ -74,21 +81,27 @@ from dpserve.sim.kv_events import KVEventBatch
 from dpserve.sim.tokenizer import decode as spell
 
 START_WINDOW_S = 40.0
+TENANT_REQUESTS = 400
+"""`--workload tenants`: as many requests as quality.py sends."""
 
 
 @dataclass(frozen=True)
 class Arm:
     policy: str
     routers: int
+    peers: bool = False
+    """kv-aware routers told of each other (`dpserve.router.peers`), with no delay."""
 
     @property
     def name(self) -> str:
-        return self.policy if self.routers == 1 else f"{self.policy} x{self.routers}"
+        name = self.policy if self.routers == 1 else f"{self.policy} x{self.routers}"
+        return name + " peers" if self.peers else name
 
 
-ARMS = tuple(Arm(p, n) for p, n in (
-    ("round-robin", 1), ("prefix-affinity", 1), ("prefix-affinity", 2), ("cache_aware", 1),
-    ("cache_aware", 2), ("kv-aware", 1), ("kv-aware", 2)))
+ARMS = tuple(Arm(p, n, peers) for p, n, peers in (
+    ("round-robin", 1, False), ("prefix-affinity", 1, False), ("prefix-affinity", 2, False),
+    ("cache_aware", 1, False), ("cache_aware", 2, False), ("kv-aware", 1, False),
+    ("kv-aware", 2, False), ("kv-aware", 2, True)))
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,12 @@ class KVKnobs:
 
     load_weight: float = KV_LOAD_WEIGHT
     load_factor: float = KV_LOAD_FACTOR
+    forecast: bool = True
+    """Count the prompts a router sent as held where they went until their blocks are
+    reported (`dpserve.router.kv.forecast`), as the policy does."""
+    peer_delay_s: float = 0.015
+    """`Arm.peers`: how late a router hears another: the link's 10 ms period plus the
+    network and the event loop (`dpserve.router.peers.link`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +171,23 @@ class Router:
         self.reps = [Replica(id=f"r{i}", url=f"sim://{i}", state=ReplicaState.READY)
                      for i in range(replicas)]
         self._by_id = {r.id: i for i, r in enumerate(self.reps)}
+        self._clock = clock
         self._model = (CacheAwareModel(self.reps, [Load() for _ in range(replicas)])
                        if policy == "cache_aware" else None)
         self.policy: Policy | None = None
+        self.peers: list[Router] = []
+        """The other routers, when they are told of each other (`Arm.peers`)."""
+        self.peer_delay_s = kv.peer_delay_s
+        self._said: list[tuple[float, list[int], list[float]]] = []
+        """What this router told its peers: (when, in flight and recent work per replica)."""
+        self._inbox: list[tuple[float, str, tuple[int, ...]]] = []
+        """Peers' prompts on their way here: (when they arrive, replica id, chain keys)."""
         if policy == "kv-aware":  # make_policy's, with the knobs of this study
-            self.policy = KVAware(index, fallback=make_policy("prefix-affinity", clock=clock),
+            fallback = make_policy("prefix-affinity", clock=clock)
+            assert isinstance(fallback, PrefixAffinity)
+            self.policy = KVAware(index, fallback=fallback,
                                   load_weight=kv.load_weight, load_factor=kv.load_factor,
+                                  forecast=index.forecast() if kv.forecast else None,
                                   clock=clock)
         elif self._model is None:
             self.policy = make_policy(policy, rng=random.Random(seed), clock=clock)
@@ -168,17 +198,74 @@ class Router:
         assert self.policy is not None
         info = RequestInfo(route="/v1/completions", model="sim-model",
                            prefix=spell(ids[:PREFIX_CHARS])[:PREFIX_CHARS], tokens=tuple(ids))
+        self._hear_peers()
         chosen = self.policy.select(self.reps, info)
         assert chosen is not None
+        if self.peers and isinstance(self.policy, KVAware):
+            arrives = self._clock() + self.peer_delay_s
+            for url, _size, keys in self.policy.take_sent():
+                for peer in self.peers:
+                    peer._inbox.append((arrives, f"r{url.removeprefix('sim://')}", keys))
         return self._by_id[chosen.id]
 
+    def say(self) -> None:
+        """Record what this router would report now (after each change of its counts)."""
+        if self.peers and isinstance(self.policy, KVAware):
+            fallback = self.policy.fallback
+            self._said.append((self._clock(), [r.in_flight for r in self.reps],
+                               [fallback.work(r) for r in self.reps]))
+
+    def _heard(self, now: float) -> tuple[float, list[int], list[float]] | None:
+        """The last report of this router that reached a peer by `now`."""
+        i = bisect.bisect_right(self._said, now - self.peer_delay_s, key=lambda x: x[0])
+        return self._said[i - 1] if i else None
+
+    def _hear_peers(self) -> None:
+        """What `dpserve.router.peers` tells a router, as of now, `peer_delay_s` late: the
+        others' in flight on each replica, their recent work (`work`) and the prompts
+        they sent (into its forecast)."""
+        if not self.peers:
+            return
+        now = self._clock()
+        heard = [h for p in self.peers if (h := p._heard(now)) is not None]
+        for i, rep in enumerate(self.reps):
+            rep.peer_in_flight = sum(h[1][i] for h in heard)
+        assert isinstance(self.policy, KVAware) and self.policy.forecast is not None
+        due = [m for m in self._inbox if m[0] <= now]
+        if due:
+            self._inbox = [m for m in self._inbox if m[0] > now]
+            for at, rid, keys in due:
+                self.policy.forecast.add(rid, keys, at)
+
+    def work(self, url: str, now: float) -> float:
+        """The peers' recent work on the replica at `url` as last heard, decayed to
+        `now` (`PeerWork`)."""
+        i = int(url.removeprefix("sim://"))
+        assert isinstance(self.policy, KVAware)
+        rate = math.log(2) / self.policy.fallback.half_life_s
+        total = 0.0
+        for peer in self.peers:
+            heard = peer._heard(now)
+            if heard is not None:
+                total += heard[2][i] * math.exp(-rate * (now - heard[0]))
+        return total
+
+    def tell(self, peers: list[Router]) -> None:
+        """Make this router hear `peers` (the others)."""
+        self.peers = peers
+        assert isinstance(self.policy, KVAware)
+        self.policy.fallback.peers = self
+        self.policy.take_sent()  # start keeping
+
     def scrape(self, vf: VirtualFleet) -> None:
+        self._hear_peers()
         for rep, e in zip(self.reps, vf.engines, strict=True):
             rep.engine = EngineLoad(num_requests_running=e.num_running,
                                     num_requests_waiting=e.num_waiting,
                                     kv_cache_usage_perc=e.kv_cache_usage)
             rep.engine_scraped_at = vf.now
             rep.engine_in_flight_at_scrape = rep.in_flight
+            rep.engine_peer_in_flight_at_scrape = rep.peer_in_flight
 
 
 class Probe(Protocol):
@@ -247,6 +334,9 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
                       after_step=after_step, jitter_seed=jitter_seed)
     routers = [Router(arm.policy, replicas, index, lambda: vf.now, seed + i, kv_knobs)
                for i in range(arm.routers)]
+    if arm.peers:
+        for router in routers:
+            router.tell([r for r in routers if r is not router])
     placements: list[Placement] = []
     remaining = sum(len(c.turns) for c in convs)
     sent_count, last_token = 0, 0.0
@@ -264,6 +354,7 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
         if probe is not None:
             probe.picked(router, c, k, r)
         router.reps[r].in_flight += 1
+        router.say()
         sent = vf.now
         open_blocks[c] = math.ceil((len(turn.ids) + turn.output_tokens) / cfg.block_size)
         peak[0] = max(peak[0], sum(open_blocks.values()))
@@ -273,6 +364,7 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
             remaining -= 1
             last_token = vf.now
             router.reps[r].in_flight -= 1
+            router.say()
             assert seq.first_token_at is not None
             placements.append(Placement(c, k, n % len(routers), r, sent,
                                         seq.first_token_at - sent, seq.num_cached))
@@ -351,16 +443,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="kv-aware's price of a queued request (default: the policy's)")
     p.add_argument("--kv-load-factor", type=float, default=KV_LOAD_FACTOR,
                    help="kv-aware's bounded-load cap (default: the policy's)")
+    p.add_argument("--workload", choices=("chat", "tenants"), default="chat",
+                   help="tenants: quality.py's (400 requests, 32 tenants' system prompts, "
+                        "its open-loop rate), the fleet's default cache; --pressure ignored")
+    p.add_argument("--peer-delay-ms", type=float, default=15.0,
+                   help="arms with peers: how late a router hears another")
+    p.add_argument("--no-forecast", action="store_true",
+                   help="kv-aware on the events alone, without forecasting what it sent")
     args = p.parse_args(argv)
     arms = [a for a in ARMS if a.name in args.arms.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     reset_at = args.reset_at if args.reset_at >= 0 else None
-    knobs = KVKnobs(load_weight=args.kv_load_weight, load_factor=args.kv_load_factor)
-    print(f"kv-aware: load_weight {knobs.load_weight:g}, load_factor {knobs.load_factor:g}")
-    for pressure in (float(x) for x in args.pressure.split(",")):
-        convs = {s: workloads.chat(args.conversations, seed=s, think_s=args.think_s,
-                                   start_window_s=args.start_window_s) for s in seeds}
-        cfgs = {s: sim_config(convs[s], args.replicas, pressure) for s in seeds}
+    knobs = KVKnobs(load_weight=args.kv_load_weight, load_factor=args.kv_load_factor,
+                    forecast=not args.no_forecast, peer_delay_s=args.peer_delay_ms / 1e3)
+    print(f"kv-aware: load_weight {knobs.load_weight:g}, load_factor {knobs.load_factor:g}, "
+          f"forecast {'on' if knobs.forecast else 'off'}, peers heard "
+          f"{knobs.peer_delay_s * 1e3:g} ms late")
+    pressures = [float(x) for x in args.pressure.split(",")]
+    for pressure in pressures if args.workload == "chat" else [math.nan]:
+        if args.workload == "chat":
+            convs = {s: workloads.chat(args.conversations, seed=s, think_s=args.think_s,
+                                       start_window_s=args.start_window_s) for s in seeds}
+            cfgs = {s: sim_config(convs[s], args.replicas, pressure) for s in seeds}
+        else:
+            rate = quality.RATE_PER_REPLICA["tenants"] * args.replicas
+            convs = {s: workloads.tenants(TENANT_REQUESTS, seed=s, rate=rate) for s in seeds}
+            cfgs = dict.fromkeys(seeds, build_sim_config({}, fleet.SIM_CONFIG))
         runs = {a.name: [simulate(a, convs[s], cfgs[s], replicas=args.replicas,
                                   reset_at=reset_at, window_s=args.window_s,
                                   scrape_s=args.scrape_s, seed=s, kv_knobs=knobs)

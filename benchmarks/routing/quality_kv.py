@@ -91,6 +91,8 @@ ANSWER_S_BOUND = 30.0
 """Longest a chat answer is allowed in the bound on a chat run (a 256-token answer takes
 ~15 s with these engines)."""
 FOLLOW_TIMEOUT_S = 30.0
+PEER_KEY = "quality-kv-peer-key-0123456789abcdef"
+"""The peers' shared key in these runs (a benchmark's, on loopback)."""
 SMOKE = {"workloads": "chat-deploy", "arms": "dpserve:kv-aware,dpserve:kv-aware:2",
          "replicas": 4, "conversations": 16, "turns": 3, "think_s": 2.0,
          "start_window_s": 10.0, "reset_at": 15.0}
@@ -226,8 +228,9 @@ class Bench:
         try:
             urls = fleet.start_fleet(self.args.replicas, job.sim_config, self.work_dir,
                                      self.services, cwd=self.src)
+            peer_ports = free_ports(arm.routers) if arm.peers else []
             try:
-                routers = [self._start_router(arm, urls, f"{tag}-{i}")
+                routers = [self._start_router(arm, urls, f"{tag}-{i}", peer_ports, i)
                            for i in range(arm.routers)]
             except RuntimeError as exc:
                 row.error = f"router did not start: {exc}"
@@ -250,15 +253,22 @@ class Bench:
             stop_all(self.services)
         return row
 
-    def _start_router(self, arm: Arm, urls: list[str], tag: str) -> Router:
+    def _start_router(self, arm: Arm, urls: list[str], tag: str, peer_ports: list[int],
+                      me: int) -> Router:
         port, metrics_port = free_ports(2)
         url = f"http://{HOST}:{port}"
+        env = None
         if arm.kind == "dpserve":
             argv = [sys.executable, "-m", "dpserve", "router", "--host", HOST, "--port",
                     str(port), "--policy", arm.policy, "--log-level", "warning",
                     *(a for u in urls for a in ("--replica", u))]
             if arm.policy == "kv-aware":
                 argv += ["--tokenizer", "sim"]
+            if peer_ports:
+                argv += ["--peer-bind", f"{HOST}:{peer_ports[me]}",
+                         *(a for i, p in enumerate(peer_ports) if i != me
+                           for a in ("--peer", f"{HOST}:{p}"))]
+                env = {**os.environ, "DPSERVE_PEER_KEY": PEER_KEY}
             metrics_url = f"{url}/metrics"
         else:
             if self.vllm_router is None:
@@ -269,7 +279,7 @@ class Bench:
                 argv += vllm_router_kv_args(urls, [_event_sources(u) for u in urls],
                                             block_size=sim.block_size, model=sim.model)
             metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-        service = start_service(f"router-{tag}", argv, self.work_dir,
+        service = start_service(f"router-{tag}", argv, self.work_dir, env=env,
                                 cwd=self.src if arm.kind == "dpserve" else None)
         self.services.append(service)
         quality.wait_ready(service, url, arm.kind, len(urls))

@@ -40,26 +40,38 @@ class Arm:
     """``dpserve`` or ``vllm-router``."""
     policy: str
     routers: int = 1
+    peers: bool = False
+    """dpserve routers told of each other (`--peer`, `dpserve.router.peers`)."""
 
     @property
     def name(self) -> str:
-        """As given on the command line: ``kind:policy`` or ``kind:policy:N``."""
-        return f"{self.kind}:{self.policy}" + (f":{self.routers}" if self.routers > 1 else "")
+        """As given on the command line: ``kind:policy``, ``kind:policy:N`` or
+        ``kind:policy:N:peers``."""
+        return (f"{self.kind}:{self.policy}" + (f":{self.routers}" if self.routers > 1 else "")
+                + (":peers" if self.peers else ""))
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {self.policy}" + (f" x{self.routers}" if self.routers > 1 else "")
+        return (f"{self.kind} {self.policy}" + (f" x{self.routers}" if self.routers > 1 else "")
+                + (" peers" if self.peers else ""))
 
 
 def parse_arm(text: str) -> Arm:
-    """``dpserve:kv-aware`` or ``dpserve:kv-aware:2`` (ValueError otherwise)."""
+    """``dpserve:kv-aware``, ``dpserve:kv-aware:2`` or ``dpserve:kv-aware:2:peers``
+    (ValueError otherwise)."""
     parts = text.strip().split(":")
+    peers = len(parts) == 4 and parts[3] == "peers"
+    if peers:
+        parts = parts[:3]
     if len(parts) not in (2, 3) or not all(parts[:2]):
-        raise ValueError(f"{text!r}: expected KIND:POLICY or KIND:POLICY:ROUTERS")
+        raise ValueError(f"{text!r}: expected KIND:POLICY, KIND:POLICY:ROUTERS or "
+                         "dpserve:POLICY:ROUTERS:peers")
     routers = int(parts[2]) if len(parts) == 3 else 1
     if routers < 1:
         raise ValueError(f"{text!r}: ROUTERS must be at least 1")
-    return Arm(parts[0], parts[1], routers)
+    if peers and (parts[0] != "dpserve" or routers < 2):
+        raise ValueError(f"{text!r}: peers are dpserve routers, two or more")
+    return Arm(parts[0], parts[1], routers, peers)
 
 
 def kv_series(text: str) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpserve.sim.tokenizer import VOCAB_SIZE, decode, output_ids
+from dpserve.sim.tokenizer import VOCAB_SIZE, decode, encode, output_ids
 
 WORKLOADS = ("uniform", "heavy-tail", "tenants")
 
@@ -130,6 +130,16 @@ def describe(requests: list[Request]) -> dict[str, float]:
             "input_p99": float(np.percentile(inp, 99)), "input_max": int(inp.max()),
             "output_mean": float(out.mean()), "output_p50": float(np.median(out)),
             "output_p99": float(np.percentile(out, 99)), "output_max": int(out.max())}
+
+
+def tenants(n: int, *, seed: int, rate: float) -> list[Conversation]:
+    """`tenants` (`build`) as one-turn conversations arriving as a Poisson process of
+    `rate` per second: for the virtual clock with KV events (`kv_study.py`)."""
+    rng = np.random.default_rng(seed)
+    requests = _tenant_requests(rng, n)
+    starts = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+    return [Conversation(float(at), [Turn(encode(r.prompt), r.output_tokens, 0.0)])
+            for at, r in zip(starts, requests, strict=True)]
 
 
 def _text(rng: np.random.Generator, tokens: int) -> str:
