@@ -83,22 +83,43 @@ def test_no_secret_is_optional_and_no_key_is_in_an_environment(overlay):
                 "DPSERVE_API_KEY", "DPSERVE_API_KEYS", "DPSERVE_ADMIN_KEY"}
 
 
-def test_the_routers_settings_pass_its_own_validation_with_both_keys(overlay, tmp_path):
+def test_the_routers_settings_pass_its_own_validation_with_all_keys(overlay, tmp_path):
     """What `dpserve router` does at start-up in the pod, with the Secret's files: it refuses
-    to start listening beyond loopback without an admin key, or with a key it rejects."""
+    to start listening beyond loopback without an admin key, or with a key it rejects,
+    or to talk to its peers without their key."""
     _, objs = overlay
     _, c, ns = router_ns(objs)
     files = {ns.api_key_file: "client-key-" + "0" * 24 + "\n",
-             ns.admin_key_file: "admin-key-" + "1" * 32 + "\n"}
+             ns.admin_key_file: "admin-key-" + "1" * 32 + "\n",
+             ns.peer_key_file: "peer-key-" + "2" * 48 + "\n"}
     flags = _flags(ns)
-    for name, path in (("api_key_file", ns.api_key_file), ("admin_key_file", ns.admin_key_file)):
+    for name, path in (("api_key_file", ns.api_key_file), ("admin_key_file", ns.admin_key_file),
+                       ("peer_key_file", ns.peer_key_file)):
         local = tmp_path / Path(path).name
         local.write_text(files[path])
         flags[name] = str(local)
     cfg = build_router_config(flags, {}, env_of(c))
     assert cfg.api_keys == [files[ns.api_key_file].strip()]
     assert cfg.admin_key == files[ns.admin_key_file].strip()
+    assert cfg.peer_key == files[ns.peer_key_file].strip()
+    assert cfg.peers == ["dpserve-router-peers:5560"]
     assert not cfg.insecure_admin
+
+
+def test_the_peer_port_is_open_to_router_pods_only(overlay):
+    """The routers' reports to each other are signed, not encrypted: the port is theirs."""
+    _, objs = overlay
+    _, c, ns = router_ns(objs)
+    port = int(ns.peer_bind.rsplit(":", 1)[1])
+    assert named_port(c, "peers") == port
+    rules = [rule for rule in find(objs, "NetworkPolicy", "dpserve-router-ingress")["spec"][
+        "ingress"] if any(p["port"] == port for p in rule.get("ports", []))]
+    assert rules and all(rule.get("from") == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "dpserve", "app.kubernetes.io/component": "router"}}}]
+        for rule in rules)
+    peers = find(objs, "Service", "dpserve-router-peers")["spec"]
+    assert peers["clusterIP"] == "None"  # headless: the name resolves to every router pod
+    assert ns.peers == [f"dpserve-router-peers:{port}"]
 
 
 def test_the_admin_api_listens_on_the_pods_loopback_only(overlay, monkeypatch):
