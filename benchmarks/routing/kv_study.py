@@ -67,6 +67,7 @@ from dpserve.router.fleet.engine_metrics import EngineLoad
 from dpserve.router.fleet.pool import Replica, ReplicaState
 from dpserve.router.kv.events import Event, decode
 from dpserve.router.kv.index import KVIndex
+from dpserve.router.peers.state import SHARE_BIAS
 from dpserve.router.routing.policies import (
     KVAware,
     Policy,
@@ -81,8 +82,8 @@ from dpserve.sim.kv_events import KVEventBatch
 from dpserve.sim.tokenizer import decode as spell
 
 START_WINDOW_S = 40.0
-TENANT_REQUESTS = 400
-"""`--workload tenants`: as many requests as quality.py sends."""
+ONE_TURN_REQUESTS = 400
+"""`--workload` other than chat: as many requests as quality.py sends."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class Router:
         self.peers: list[Router] = []
         """The other routers, when they are told of each other (`Arm.peers`)."""
         self.peer_delay_s = kv.peer_delay_s
+        self.rank = 0
         self._said: list[tuple[float, list[int], list[float]]] = []
         """What this router told its peers: (when, in flight and recent work per replica)."""
         self._inbox: list[tuple[float, str, tuple[int, ...]]] = []
@@ -250,9 +252,15 @@ class Router:
                 total += heard[2][i] * math.exp(-rate * (now - heard[0]))
         return total
 
-    def tell(self, peers: list[Router]) -> None:
-        """Make this router hear `peers` (the others)."""
+    def bias(self, url: str) -> float:
+        """This router's share of the replicas, as `PeerState.bias` deals them."""
+        i = int(url.removeprefix("sim://"))
+        return 0.0 if i % (len(self.peers) + 1) == self.rank else SHARE_BIAS
+
+    def tell(self, peers: list[Router], rank: int) -> None:
+        """Make this router hear `peers` (the others); it is `rank`-th of them all."""
         self.peers = peers
+        self.rank = rank
         assert isinstance(self.policy, KVAware)
         self.policy.fallback.peers = self
         self.policy.take_sent()  # start keeping
@@ -335,8 +343,8 @@ def simulate(arm: Arm, convs: Sequence[workloads.Conversation], cfg: SimConfig, 
     routers = [Router(arm.policy, replicas, index, lambda: vf.now, seed + i, kv_knobs)
                for i in range(arm.routers)]
     if arm.peers:
-        for router in routers:
-            router.tell([r for r in routers if r is not router])
+        for rank, router in enumerate(routers):
+            router.tell([r for r in routers if r is not router], rank)
     placements: list[Placement] = []
     remaining = sum(len(c.turns) for c in convs)
     sent_count, last_token = 0, 0.0
@@ -443,9 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="kv-aware's price of a queued request (default: the policy's)")
     p.add_argument("--kv-load-factor", type=float, default=KV_LOAD_FACTOR,
                    help="kv-aware's bounded-load cap (default: the policy's)")
-    p.add_argument("--workload", choices=("chat", "tenants"), default="chat",
-                   help="tenants: quality.py's (400 requests, 32 tenants' system prompts, "
-                        "its open-loop rate), the fleet's default cache; --pressure ignored")
+    p.add_argument("--workload", choices=("chat", *workloads.WORKLOADS), default="chat",
+                   help="other than chat: quality.py's (400 requests at its open-loop "
+                        "rate; tenants: 32 tenants' system prompts), the fleet's default "
+                        "cache; --pressure ignored")
     p.add_argument("--peer-delay-ms", type=float, default=15.0,
                    help="arms with peers: how late a router hears another")
     p.add_argument("--no-forecast", action="store_true",
@@ -466,9 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        start_window_s=args.start_window_s) for s in seeds}
             cfgs = {s: sim_config(convs[s], args.replicas, pressure) for s in seeds}
         else:
-            rate = quality.RATE_PER_REPLICA["tenants"] * args.replicas
-            convs = {s: workloads.tenants(TENANT_REQUESTS, seed=s, rate=rate) for s in seeds}
-            cfgs = dict.fromkeys(seeds, build_sim_config({}, fleet.SIM_CONFIG))
+            rate = quality.RATE_PER_REPLICA[args.workload] * args.replicas
+            cfg = build_sim_config({}, fleet.SIM_CONFIG)
+            convs = {s: workloads.one_turn(args.workload, ONE_TURN_REQUESTS, seed=s,
+                                           rate=rate, max_model_len=cfg.max_model_len)
+                     for s in seeds}
+            cfgs = dict.fromkeys(seeds, cfg)
         runs = {a.name: [simulate(a, convs[s], cfgs[s], replicas=args.replicas,
                                   reset_at=reset_at, window_s=args.window_s,
                                   scrape_s=args.scrape_s, seed=s, kv_knobs=knobs)

@@ -132,12 +132,12 @@ def describe(requests: list[Request]) -> dict[str, float]:
             "output_p99": float(np.percentile(out, 99)), "output_max": int(out.max())}
 
 
-def tenants(n: int, *, seed: int, rate: float) -> list[Conversation]:
-    """`tenants` (`build`) as one-turn conversations arriving as a Poisson process of
-    `rate` per second: for the virtual clock with KV events (`kv_study.py`)."""
-    rng = np.random.default_rng(seed)
-    requests = _tenant_requests(rng, n)
-    starts = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+def one_turn(name: str, n: int, *, seed: int, rate: float, max_model_len: int
+             ) -> list[Conversation]:
+    """Workload `name` (`build`) as one-turn conversations arriving as a Poisson process
+    of `rate` per second: for the virtual clock with KV events (`kv_study.py`)."""
+    requests = build(name, n, seed=seed, max_model_len=max_model_len)
+    starts = np.cumsum(np.random.default_rng(seed + 1).exponential(1.0 / rate, n)).tolist()
     return [Conversation(float(at), [Turn(encode(r.prompt), r.output_tokens, 0.0)])
             for at, r in zip(starts, requests, strict=True)]
 

@@ -27,6 +27,9 @@ from dpserve.router.kv.decisions import CACHED_BUCKETS, FALLBACK_REASONS, KVRout
 from dpserve.router.kv.index import KVIndex
 from dpserve.router.kv.metrics import KVCollector
 from dpserve.router.kv.subscriber import FeedStats
+from dpserve.router.peers.channel import ChannelStats
+from dpserve.router.peers.metrics import PeerCollector
+from dpserve.router.peers.state import PeerState
 from dpserve.router.telemetry.metrics import RouterMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dpserve.json"
@@ -74,6 +77,13 @@ def kv_collector() -> KVCollector:
                        lambda: {"r0": FeedStats("tcp://r0:5557", last_at=0.0)})
 
 
+class FakeLink:
+    """What the peer series read: a link's state and its channel's counters."""
+
+    state = PeerState(ReplicaPool([]))
+    channel_stats = ChannelStats()
+
+
 def dpserve_series() -> set[str]:
     registry = RouterMetrics(ReplicaPool([Replica(id="r0", url="http://127.0.0.1:1")])).registry
     gpus = GpuCollector.open(FakeNvml(fake_gpus(1)))
@@ -81,6 +91,7 @@ def dpserve_series() -> set[str]:
     registry.register(gpus)
     registry.register(ProcessCollector(dict))
     registry.register(kv_collector())
+    registry.register(PeerCollector(FakeLink()))
     names: set[str] = set()
     for family in CollectorRegistry.collect(registry):
         names |= exposed(family.name, family.type)

@@ -65,7 +65,7 @@ class PeerLink:
         self._pool = pool
         self._kv = kv_aware
         self.sender = os.urandom(16)
-        self.state = PeerState(pool, index=kv_aware.index if kv_aware else None,
+        self.state = PeerState(pool, sender=self.sender, index=kv_aware.index if kv_aware else None,
                                forecast=kv_aware.forecast if kv_aware else None,
                                half_life_s=(kv_aware.fallback.half_life_s if kv_aware
                                             else 2.0))

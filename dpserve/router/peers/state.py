@@ -14,6 +14,15 @@
   finds the first one's prefill wherever it went, whichever router placed it. Only
   from peers whose keys mean the same (`KEY_FINGERPRINT`), at the replica's block size.
 
+- **Shares.** Reports are ~10 ms old when read, and two routers reading the same counts
+  pick the same least-loaded replica for prompts that arrive close together: on prompts
+  sharing nothing (`uniform`, 22 req/s, 8 replicas, virtual time) that made two routers
+  with peers heard 15 ms late 1.21x one router's mean TTFT, worse than without peers
+  (1.16x). So each router prefers a share of the replicas for new work (`bias`): the
+  replicas in URL order, dealt round the live routers in sender order; the others
+  carry `SHARE_BIAS` more work. The shared counts still move work across shares when
+  one is busier.
+
 A peer not heard for `silent_s` is forgotten: its in-flight counts leave the replicas
 (a router that died holds nothing). Reports of one sender arriving out of order are
 ignored (`seq`); a restarted router is a new sender. Bounded: `max_peers` senders,
@@ -36,6 +45,10 @@ from dpserve.router.routing.policies.recent_work import DEFAULT_HALF_LIFE_S
 PEER_SILENT_S = 3.0
 """A peer reports at least every second (`dpserve.router.peers.link`); three missed
 heartbeats and its counts are dropped."""
+SHARE_BIAS = 1.0
+"""Work (requests sent lately) added to a replica outside this router's share when
+spreading: enough to keep two routers apart when the fleet is evenly loaded, little
+against a replica truly busier (benchmarks/routing/README.md, peers)."""
 MAX_PEERS = 64
 """Senders remembered: a fleet has a few routers; restarts make new senders, which the
 silent rule forgets within seconds."""
@@ -77,7 +90,7 @@ class PeerStats:
 class PeerState:
     """The peers' reports, kept and applied to `pool`'s replicas and to `forecast`."""
 
-    def __init__(self, pool: ReplicaPool, *, index: KVIndex | None = None,
+    def __init__(self, pool: ReplicaPool, *, sender: bytes = b"", index: KVIndex | None = None,
                  forecast: Forecast | None = None, half_life_s: float = DEFAULT_HALF_LIFE_S,
                  silent_s: float = PEER_SILENT_S, max_peers: int = MAX_PEERS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,6 +102,9 @@ class PeerState:
         self._max_peers = max_peers
         self._clock = clock
         self._peers: dict[bytes, _Peer] = {}
+        self._sender = sender
+        self._shares: tuple[tuple[bytes, ...], float, frozenset[str]] | None = None
+        """(routers, when, this router's share) as last dealt."""
         self.stats = PeerStats()
 
     def receive(self, report: PeerReport) -> None:
@@ -135,6 +151,23 @@ class PeerState:
             if value:
                 total += value * math.exp(-self._rate * max(0.0, now - peer.heard_at))
         return total
+
+    def bias(self, url: str) -> float:
+        """0 for a replica in this router's share, `SHARE_BIAS` for another's."""
+        now = self._clock()
+        routers = tuple(sorted([self._sender, *(s for s, p in self._peers.items()
+                                                if now - p.heard_at <= self._silent_s)]))
+        if len(routers) < 2:
+            return 0.0
+        shares = self._shares
+        if shares is None or shares[0] != routers or now - shares[1] > 1.0:
+            # Dealt again when the routers change, and every second (replicas come
+            # and go): a sort per decision would cost more than the decision.
+            urls = sorted(replica_key(r.url) for r in self._pool)
+            me = routers.index(self._sender)
+            mine = frozenset(u for i, u in enumerate(urls) if i % len(routers) == me)
+            shares = self._shares = (routers, now, mine)
+        return 0.0 if replica_key(url) in shares[2] else SHARE_BIAS
 
     def _apply_in_flight(self) -> None:
         totals: dict[str, int] = {}

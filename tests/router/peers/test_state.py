@@ -7,7 +7,7 @@ from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.kv.events import Stored
 from dpserve.router.kv.index import KEY_FINGERPRINT, KVIndex, prompt_keys
 from dpserve.router.peers.link import MAX_REPORT_KEYS, bounded
-from dpserve.router.peers.state import PeerState
+from dpserve.router.peers.state import SHARE_BIAS, PeerState
 from dpserve.router.peers.wire import MAX_KEYS, MAX_PENDING, PeerReport
 from dpserve.router.routing.policies import PrefixAffinity, RequestInfo
 from dpserve.router.routing.policies.kv_aware import KVAware
@@ -114,3 +114,21 @@ def test_a_report_keeps_the_newest_prompts_within_the_wires_bounds():
     assert all(len(keys) <= MAX_KEYS for _, _, keys in kept)
     assert sum(len(keys) for _, _, keys in kept) <= MAX_REPORT_KEYS
     assert kept[0][2] == tuple(range(len(kept[0][2])))  # a prompt's leading blocks
+
+
+def test_each_router_prefers_its_own_share_of_the_replicas_while_peers_are_heard():
+    """Two routers reading the same ~10 ms old counts would pick the same replica for
+    prompts arriving together; each leans to its own share instead, and alone to none."""
+    replicas, clock = pool(4), Clock()
+    mine = PeerState(replicas, sender=A, clock=clock)
+    theirs = PeerState(replicas, sender=B, clock=clock)
+    urls = [r.url for r in replicas]
+    assert [mine.bias(u) for u in urls] == [0.0] * 4  # no peer heard
+    mine.receive(report(B, 0))
+    theirs.receive(report(A, 0))
+    a = [mine.bias(u) for u in urls]
+    b = [theirs.bias(u) for u in urls]
+    assert sorted(a) == [0.0, 0.0, SHARE_BIAS, SHARE_BIAS]
+    assert [x + y for x, y in zip(a, b, strict=True)] == [SHARE_BIAS] * 4  # disjoint shares
+    clock.now += 10.0  # the peer went silent: the whole fleet is this router's again
+    assert [mine.bias(u) for u in urls] == [0.0] * 4

@@ -52,6 +52,11 @@ class PeerWork(Protocol):
         """Their decayed count of requests sent to the replica at `url`, at `now`."""
         ...
 
+    def bias(self, url: str) -> float:
+        """Work to add to the replica at `url` when spreading: 0 for this router's share
+        of the replicas, more for the others' (see `dpserve.router.peers.state`)."""
+        ...
+
 
 Journal = dict[str, Any]
 """What a policy with memory learned lately, for the router's other workers:

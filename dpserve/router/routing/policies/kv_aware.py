@@ -128,11 +128,18 @@ class KVAware:
             return self._fall_back(candidates, request, "no_events")
         open_ = under_cap(candidates, self.load_factor)
         prompt = len(tokens)
-        costs = {r.id: (1.0 - min(expected.get(r.id, 0), prompt) / prompt)
+        miss = {r.id: 1.0 - min(expected.get(r.id, 0), prompt) / prompt for r in open_}
+        costs = {r.id: miss[r.id]
                  + self.load_weight * engine_queue(r, now, ENGINE_REPORT_MAX_AGE_S)
                  for r in open_}
-        best = min(costs.values())
-        tied = [r for r in open_ if costs[r.id] <= best + 1e-9]
+        best = min(open_, key=lambda r: costs[r.id])
+        # With peers, the others' counts are ~10 ms old: replicas holding as much of the
+        # prompt as the best, with up to one queued request more, are tied, and the
+        # tie-break spreads them by each router's share of the replicas, so that two
+        # routers reading the same counts do not both pick their minimum.
+        band = self.load_weight if self.fallback.peers is not None else 1e-9
+        tied = [r for r in open_ if costs[r.id] <= costs[best.id] + band
+                and miss[r.id] <= miss[best.id] + 1e-9]
         chosen = self.fallback.send(self.break_tie(tied) if len(tied) > 1 else tied[0])
         cached = min(held.get(chosen.id, 0), prompt)
         self._forecast(chosen, tokens, request.adapter, cached, now)

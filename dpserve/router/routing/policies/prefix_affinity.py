@@ -126,7 +126,8 @@ class PrefixAffinity:
         if peers is None:
             return self._spread.least(candidates)
         now = self.clock()
-        return self._spread.least(candidates, lambda r: peers.work(r.url, now))
+        return self._spread.least(candidates,
+                                  lambda r: peers.work(r.url, now) + peers.bias(r.url))
 
     def work(self, replica: Replica) -> float:
         """What this router (and its workers) sent `replica` lately, decayed to now."""
