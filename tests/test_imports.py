@@ -100,6 +100,7 @@ ROUTER_LAYERS = (
     ("fleet",),
     ("kv",),
     ("routing", "telemetry"),
+    ("peers",),
     ("migration",),
     ("forward",),
     ("http",),

@@ -11,6 +11,7 @@ from tests.integration.conftest import Deployment
 from tests.router.telemetry.test_series import (
     GPU_SERIES,
     KV_SERIES,
+    PEER_SERIES,
     PROCESS_SERIES,
     missing,
     sample_names,
@@ -28,4 +29,6 @@ def test_a_started_deployment_has_every_series_the_dashboard_and_rules_read(
     assert has_gpus != bool(set(PROCESS_SERIES) & sample_names(text))
     # The default policy under `serve` is `kv-aware` (`auto`): its series are read too.
     assert set(KV_SERIES) <= sample_names(text)
-    assert missing(text, PROCESS_SERIES if has_gpus else GPU_SERIES) == set()
+    # `serve` is one router for its replicas: it has no peers.
+    assert missing(text, {**(PROCESS_SERIES if has_gpus else GPU_SERIES),
+                          **PEER_SERIES}) == set()

@@ -17,6 +17,8 @@ from dpserve.router.http.app import Router
 from dpserve.router.routing.policies import kv_aware_of
 from dpserve.sim import Fleet
 from tests.conftest import running_router
+from tests.router.kv.test_two_routers_sim import metric
+from tests.router.telemetry.test_series import PEER_SERIES, sample_names
 from tests.sim.conftest import FAST
 from tests.waiting import wait_for
 
@@ -78,3 +80,9 @@ async def test_a_prompt_placed_by_one_router_draws_the_others_request_with_its_p
         # B knew it from A's report alone: no event had said the replica held any of it.
         policy = kv_aware_of(b.policy)
         assert policy is not None and policy.stats.last_cached_tokens == 0
+        async with s.get(b_url + "/metrics") as resp:  # what the dashboard's panel reads
+            text = await resp.text()
+        assert set(PEER_SERIES) <= sample_names(text)
+        assert metric(text, "dpserve_peers_live") == 1
+        assert metric(text, "dpserve_peer_prompts_total") >= 1
+        assert metric(text, "dpserve_peer_reports_rejected_total") == 0

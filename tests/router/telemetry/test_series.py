@@ -51,7 +51,13 @@ KV_SERIES = {
                  "dpserve_kv_event_gaps_total", "dpserve_kv_event_replays_total",
                  "dpserve_kv_event_resyncs_total", "dpserve_kv_events_following")
 }
-ROUTER_EXCEPTIONS = {**GPU_SERIES, **PROCESS_SERIES, **KV_SERIES}
+PEER_SERIES = {
+    name: "the channel between routers: only a router with `--peer` has them; "
+          "tests/router/peers/test_peers_sim.py"
+    for name in ("dpserve_peers_live", "dpserve_peer_reports_received_total",
+                 "dpserve_peer_reports_rejected_total", "dpserve_peer_prompts_total")
+}
+ROUTER_EXCEPTIONS = {**GPU_SERIES, **PROCESS_SERIES, **KV_SERIES, **PEER_SERIES}
 """Series a router in front of engines it did not start never has, and why. `vllm:*`
 series are not checked at all: engines export them (the router federates them on
 /metrics/engines)."""
