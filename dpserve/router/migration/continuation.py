@@ -13,14 +13,13 @@ from typing import Any
 
 from dpserve.router.errors import RouterError
 from dpserve.router.jsonbody import TOO_DEEP, encode
+from dpserve.router.migration.eligibility import CARRIED, FIELDS
 from dpserve.router.migration.fields import COMPLETION_MAX_TOKENS
 from dpserve.router.migration.replay import StreamState
 
-_CARRIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "stop_token_ids", "ignore_eos", "logit_bias", "allowed_token_ids",
-            "skip_special_tokens", "spaces_between_special_tokens", "stream_options",
-            "user", "priority", "cache_salt", "seed", "return_tokens_as_token_ids")
-"""Request fields that mean the same on the continuation (a completion of ids)."""
+_CARRIED = tuple(name for name, place in FIELDS.items() if place == CARRIED)
+"""Request fields that mean the same on the continuation (a completion of ids); the
+place of every other field is `eligibility.FIELDS`."""
 
 
 def continuation(state: StreamState) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dpserve.router.migration.continuation import continuation, upstream_body
-from dpserve.router.migration.eligibility import refusal
+from dpserve.router.migration.eligibility import CARRIED, FIELDS, REFUSED, refusal
 from dpserve.router.migration.replay import StreamState
 
 BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 10}
@@ -38,6 +38,57 @@ BASE: dict[str, Any] = {"model": "m", "prompt": "hi", "stream": True, "max_token
 ])
 def test_what_may_migrate_on_completions(extra, reason):
     assert refusal(BASE | extra, chat=False) == reason
+
+
+def test_every_field_vllm_declares_has_a_place_in_a_continuation():
+    """A field a new vLLM adds fails here until it is carried, written by the router,
+    spent on the prompt, or refused: never silently dropped from a continuation."""
+    completion = pytest.importorskip("vllm.entrypoints.openai.completion.protocol")
+    chat = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol")
+    declared = (set(completion.CompletionRequest.model_fields)
+                | set(chat.ChatCompletionRequest.model_fields))
+    assert declared - set(FIELDS) == set(), "fields without a place"
+    assert set(FIELDS) - declared == set(), "places for fields vLLM does not declare"
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"logprob_token_ids": [5, 9]}, "logprobs"),
+    ({"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}, "generation_state"),
+    ({"watermarking": True}, "generation_state"),
+    ({"thinking_token_budget": 64}, "generation_state"),
+    ({"thinking_token_budget": 0}, "generation_state"),
+    ({"thinking_token_budget": -1}, None), ({"thinking_token_budget": None}, None),
+    ({"vllm_xargs": {"my_processor": 1}}, "vllm_xargs"), ({"vllm_xargs": {}}, None),
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer"),
+    ({"ec_transfer_params": {"x": 1}}, "kv_transfer"),
+    ({"return_token_offsets": True}, "output_fields"), ({"return_token_offsets": False}, None),
+    ({"routed_experts_prompt_start": 4}, "output_fields"),
+    ({"routed_experts_prompt_start": 0}, None),
+    ({"watermarking": False, "session_id": "s", "stream_interval": 4}, None),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_fields_a_continuation_cannot_carry_refuse_migration_when_set(extra, reason, chat):
+    base = (CHAT if chat else BASE) | extra
+    assert refusal(base, chat=chat) == reason
+
+
+def test_each_refused_field_refuses_once_set():
+    """Every field placed as refused has a value that refuses migration."""
+    set_values = {"n": 2, "use_beam_search": True, "echo": True, "presence_penalty": 0.5,
+                  "frequency_penalty": 0.5, "logprobs": 1, "top_logprobs": 2,
+                  "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+                  "structured_outputs": {"regex": "a"}, "bad_words": ["x"],
+                  "prompt_embeds": "AAAA", "suffix": "x", "include_reasoning": False,
+                  "watermarking": True, "thinking_token_budget": 8, "vllm_xargs": {"a": 1},
+                  "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1},
+                  "logprob_token_ids": [1], "repetition_detection": {"min_count": 2},
+                  "return_token_offsets": True, "routed_experts_prompt_start": 1}
+    refused = {name for name, place in FIELDS.items() if place == REFUSED}
+    assert refused == set(set_values)
+    for name in refused:
+        chat = name in ("top_logprobs", "include_reasoning")
+        body = (CHAT if chat else BASE) | {name: set_values[name]}
+        assert refusal(body, chat=chat) is not None, name
 
 
 CHAT: dict[str, Any] = {"model": "m", "stream": True,
@@ -101,6 +152,15 @@ def state(body: dict[str, Any], *, chat: bool = False) -> StreamState:
     s = StreamState(chat=chat, body=body)
     s.prompt_ids = [1, 2, 3]
     return s
+
+
+def test_the_continuation_carries_every_carried_field_as_sent():
+    values = {name: f"v-{name}" for name, place in FIELDS.items() if place == CARRIED}
+    s = state(BASE | values)
+    s.ids, s.synced = [7], 1
+    body = continuation(s)
+    assert body is not None
+    assert {k: body[k] for k in values} == values
 
 
 def test_the_continuation_replays_the_context_and_asks_for_what_is_left():
