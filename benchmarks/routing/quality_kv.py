@@ -85,8 +85,8 @@ WORKLOADS = (*OPEN_LOOP, *CHAT)
 ARMS = tuple(Arm(k, p, n) for k, p in (("dpserve", "prefix-affinity"), ("dpserve", "kv-aware"),
                                        ("vllm-router", "cache_aware")) for n in (1, 2))
 OPT_IN_ARMS = (Arm("vllm-router", "kv_aware"), Arm("vllm-router", "kv_aware", 2))
-"""Runnable, left out of the default: against the simulator vllm-router's kv_aware finds
-no cached prefix (README), so it measures a load-only policy."""
+"""Runnable, left out of the default arms to keep a full run's length: vllm-router's
+kv_aware follows the simulator's events on the empty topic (README)."""
 ANSWER_S_BOUND = 30.0
 """Longest a chat answer is allowed in the bound on a chat run (a 256-token answer takes
 ~15 s with these engines)."""
@@ -157,7 +157,9 @@ class Job:
 
 
 def prepare(args: argparse.Namespace, workload: str, work_dir: Path) -> Job:
-    overrides: dict[str, object] = {"kv_events": True}
+    # vLLM's default topic, the empty one: vllm-router's `--kv-event-source` subscribes
+    # to it alone (dpserve's router reads the topic from `/kv_event_sources`).
+    overrides: dict[str, object] = {"kv_events": True, "kv_events_topic": ""}
     if workload in CHAT:
         convs = workloads.chat(args.conversations, seed=args.seed, think_s=args.think_s,
                                start_window_s=args.start_window_s)

@@ -16,8 +16,11 @@ real vLLM (`dpserve/router/kv/events.py` decodes it and documents the format):
 The structs below mirror vLLM's (`vllm/distributed/kv_events.py`) field for field, in
 the same order and with the same options (the batch an array, events maps tagged by
 class name, default values left out), so msgspec writes the same bytes; the simulator
-must not import vLLM. Block hashes are the simulator's Python ints, masked to 64 bits
-(`wire_hash`): vLLM's default too sends ints in [0, 2**64).
+must not import vLLM. Block hashes are vLLM's own for the same token ids
+(`prefix_cache.block_hashes`: SHA-256 digests, vLLM 0.32's default), sent as vLLM's
+engine sends them by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`): each digest's
+last 8 bytes as an unsigned big-endian int (`wire_hash`, vLLM's
+`maybe_convert_block_hash`), the same ints for the same token ids and PYTHONHASHSEED.
 
 Sockets, on 127.0.0.1, as `ZmqEventPublisher` binds them for a `tcp://*:PORT`
 endpoint: a PUB socket sends ``[topic, seq (8 bytes, big-endian), payload]``, seq
@@ -65,8 +68,10 @@ _U64: Final = (1 << 64) - 1
 
 
 def wire_hash(h: int) -> int:
-    """A block hash as published: Python's signed 64-bit `hash` as an unsigned int, as
-    vLLM's int hashes are (one-to-one, so no two blocks share a published hash)."""
+    """A block hash as published: the digest's low 64 bits (`prefix_cache` keeps a
+    digest as the int its bytes spell big-endian), exactly the int vLLM's
+    `maybe_convert_block_hash` makes of its `BlockHash`. Any other int (a benchmark's
+    made-up block names) is masked to 64 bits the same way."""
     return h & _U64
 
 

@@ -21,12 +21,20 @@ def test_a_partial_last_block_has_no_hash():
     assert len(block_hashes(list(range(47)), 16)) == 2
 
 
-def test_block_hashes_are_the_same_in_every_process():
+def _hashes_in_a_new_process(env: dict[str, str]) -> str:
     code = "from dpserve.sim.prefix_cache import block_hashes; print(block_hashes(range(48), 16))"
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, env={"PYTHONHASHSEED": seed}).stdout
-            for seed in ("1", "2")}
-    assert outs == {str(block_hashes(list(range(48)), 16)) + "\n"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env).stdout
+
+
+def test_block_hashes_are_the_same_in_every_process_with_the_same_seed():
+    """As vLLM's: the first block's parent derives from PYTHONHASHSEED when it is set,
+    from a fixed seed otherwise, so processes (replicas, engines) agree unless told
+    apart on purpose."""
+    unset = {_hashes_in_a_new_process({}) for _ in range(2)}
+    seeded = {_hashes_in_a_new_process({"PYTHONHASHSEED": "1"}) for _ in range(2)}
+    assert len(unset) == len(seeded) == 1
+    assert unset != seeded != {_hashes_in_a_new_process({"PYTHONHASHSEED": "2"})}
 
 
 def test_released_blocks_stay_cached_until_their_space_is_needed():
