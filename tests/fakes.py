@@ -24,6 +24,7 @@ import json
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -36,6 +37,13 @@ FINGERPRINT = "vllm-0.32.0-fake"
 """What vLLM writes in `system_fingerprint` (its version and a config hash)."""
 _compact = functools.partial(json.dumps, separators=(",", ":"))
 """JSON as FastAPI writes it (no spaces)."""
+
+
+def as_sent(body: dict[str, Any]) -> dict[str, Any]:
+    """A request the fake got, less what the router adds to a non-streamed completion it
+    asks for as a stream (`dpserve.router.forward.assembled`): what the client sent."""
+    return {k: v for k, v in body.items()
+            if k not in ("stream", "stream_options", "return_token_ids")}
 
 
 def fake_engine_metrics(running: int, served: int) -> str:
@@ -389,7 +397,10 @@ class FakeReplica:
                 if self.mode == "hang" and i == 1:
                     await asyncio.sleep(3600)
                 await self._unpaused.wait()
-                chunk = {"choices": [{"index": 0, "text": f"t{i}"}],
+                last = i == self.chunks - 1
+                chunk = {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+                         "choices": [{"index": 0, "text": f"t{i}",
+                                      "finish_reason": "stop" if last else None}],
                          "system_fingerprint": FINGERPRINT}
                 if self.mode == "cut" and i == 2:
                     assert request.transport is not None
@@ -399,6 +410,12 @@ class FakeReplica:
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"id": "cmpl-1", "object": "text_completion", "model": MODEL,
+                         "choices": [], "usage": {"prompt_tokens": 1, "total_tokens": 1
+                                                  + self.chunks, "completion_tokens": self.chunks},
+                         "system_fingerprint": FINGERPRINT}
+                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

@@ -61,6 +61,11 @@ class RouterConfig:
     """Longest context (prompt plus generated tokens) a migration replays; a longer
     stream is cut as without migration, since its re-prefill would cost more than
     the client's retry."""
+    assemble_responses: bool = True
+    """Non-streamed completions and chats are asked of the engine as a stream and their
+    answer assembled by the router, the same JSON vLLM would send: a stall is then
+    caught within `stream_idle_timeout_s`, and a replica lost mid-way is continued
+    elsewhere by token replay instead of started over (docs/serving.md)."""
     retry_backoff_s: float = 0.02
     """Delay before the first retry (full jitter), doubling per further retry."""
     retry_backoff_max_s: float = 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from dpserve.router.errors import RouterError, error_body
 from dpserve.router.headers import REQUEST_ID_HEADER
@@ -19,6 +19,20 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Reply(Protocol):
+    """Where a response goes: the client (`ReplyTracker`), or the router's assembly of
+    a non-streamed answer from a stream (`dpserve.router.forward.assembled`)."""
+
+    started: bool
+    finished: bool
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def body(self, data: bytes, *, more: bool) -> None: ...
+
+
 class ReplyTracker:
     """Wraps ASGI `send` and remembers whether the response has started."""
 

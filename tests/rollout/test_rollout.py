@@ -447,7 +447,8 @@ async def test_a_drain_waits_for_the_streams_it_moved_not_for_those_that_stay(
         r0 = f.router.pool.get("r0")
         movable = asyncio.create_task(c.post("/v1/completions", json=body))
         await wait_for(lambda: f.router.dispatcher.streams.movable("r0"), "a stream on r0")
-        between = await c.post("/v1/completions", json=body | {"stream": False})  # on r1
+        between = await c.post("/v1/completions", json=body | {"stream": False,
+                                                                 "max_tokens": 1})  # on r1
         staying = asyncio.create_task(c.post("/v1/completions", json=body | {
             "prompt": "stays", "presence_penalty": 0.5}))
         await wait_for(lambda: r0.in_flight == 2, "the second stream on r0")

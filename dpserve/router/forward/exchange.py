@@ -6,6 +6,7 @@ from typing import Any
 
 from dpserve.router.asgi import ReplyTracker
 from dpserve.router.fleet.adapters import AdapterVersion
+from dpserve.router.forward.assembled import Assembler
 from dpserve.router.migration.tracked import Stream
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.telemetry.tracing import Span
@@ -14,8 +15,8 @@ from dpserve.router.telemetry.tracing import Span
 class Exchange:
     """One client request on its way through the proxy: what every step reads."""
 
-    __slots__ = ("adapter", "attempts", "body", "client_model", "first_byte_s", "headers",
-                 "info", "line", "migration", "model", "not_migratable", "payload",
+    __slots__ = ("adapter", "assembled", "attempts", "body", "client_model", "first_byte_s",
+                 "headers", "info", "line", "migration", "model", "not_migratable", "payload",
                  "queue_wait_s", "replied", "request_id", "span", "start", "stream", "trace")
 
     def __init__(self, request_id: str, replied: ReplyTracker, start: float) -> None:
@@ -28,6 +29,10 @@ class Exchange:
         self.payload: dict[str, Any] | None = None
         """The parsed body, kept only while the policy needs its token ids."""
         self.stream = False
+        """The replica is asked for a stream (the client's, or one the router assembles)."""
+        self.assembled: Assembler | None = None
+        """A non-streamed request riding on a stream: where its events go, for the
+        client's one JSON answer (`dpserve.router.forward.assembled`)."""
         self.line = b""
         """The upstream request line less its version: `POST /v1/completions?query`."""
         self.headers = b""
@@ -56,7 +61,8 @@ class Exchange:
         """What its trace span records at the end (None: left out)."""
         return {
             "dpserve.request_id": self.request_id, "dpserve.replica": served_by,
-            "gen_ai.request.model": self.model, "dpserve.stream": self.stream,
+            "gen_ai.request.model": self.model,
+            "dpserve.stream": self.stream and self.assembled is None,
             "dpserve.attempts": self.attempts, "dpserve.queue_wait_s": self.queue_wait_s,
             "dpserve.time_to_first_byte_s": self.first_byte_s,
             "dpserve.migrations": len(self.migration.state.seams) if self.migration else None,

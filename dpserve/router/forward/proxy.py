@@ -45,6 +45,7 @@ from dpserve.router.fleet.adapters import (
 )
 from dpserve.router.fleet.breaker import Outcome, classify
 from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.forward.assembled import RIDE, Assembler, assemblable, ride_body
 from dpserve.router.forward.attempt import Answered, Attempt, StartOver, TryAnother
 from dpserve.router.forward.budget import BodyBudget
 from dpserve.router.forward.exchange import Exchange
@@ -126,6 +127,8 @@ class ProxyEndpoint:
         # gets new ones, which the cache must not hide.
         pool.on_membership(lambda r: None, lambda r: self._counted.clear())
         self._migrates = config.migration_limit > 0 and route in _MIGRATABLE
+        self._rides = config.assemble_responses and route in _MIGRATABLE
+        """Non-streamed requests ride on a stream (`dpserve.router.forward.assembled`)."""
         self._migrator = Migrator(pool=pool, dispatcher=dispatcher, upstream=upstream,
                                   origin=self._origin, config=config, metrics=metrics)
         self._streams = StreamOwner(route, config=config, metrics=metrics,
@@ -225,7 +228,7 @@ class ProxyEndpoint:
             if ex.span is not None:  # checked above: only a name the fleet serves
                 ex.model = ex.client_model if ex.adapter is not None else (
                     ex.info.model if ex.info.model in known else None)
-            if ex.stream and self._migrates:
+            if self._migrates if ex.stream else self._rides:
                 self._track(ex, scope, parsed.payload)
         else:
             ex.info = RequestInfo(route=self.route)
@@ -235,23 +238,37 @@ class ProxyEndpoint:
                                            len(ex.body) if self._has_body else None, ex.trace)
 
     def _track(self, ex: Exchange, scope: Scope, payload: dict[str, Any]) -> None:
-        """Make a stream migratable: its token ids are asked for and kept."""
+        """Make a stream migratable (its token ids asked for and kept), and have a
+        non-streamed request ride on a stream where its answer can be assembled."""
         chat = self.route == "/v1/chat/completions"
         coerce_fields(payload, chat=chat)  # what the engine will read, the router reads
         why = refusal(payload, chat=chat)
+        if not ex.stream:
+            if not assemblable(payload, why):
+                return  # forwarded as it came
+            ex.stream = True
+            ex.assembled = Assembler(ex.replied, chat=chat,
+                                     limit=self._config.max_response_bytes)
+        if ex.adapter is not None:
+            payload["model"] = ex.adapter.engine_name
+        migrates = self._migrates and why is None
+        if ex.assembled is not None:
+            ex.body = ride_body(payload, ex.body, ids=migrates)
+            payload = payload | RIDE
+        if not self._migrates:
+            return
         if why is not None:
             ex.not_migratable = why
             return
-        if ex.adapter is not None:
-            payload["model"] = ex.adapter.engine_name
         state = StreamState(chat=chat, body=payload,
                             wants_ids=payload.get("return_token_ids") is True)
-        ex.body = upstream_body(payload, ex.body)
+        if ex.assembled is None:
+            ex.body = upstream_body(payload, ex.body)
         adapter, client_model = ex.adapter, ex.client_model
         ex.migration = Stream(
-            state=state, request_id=ex.request_id, replied=ex.replied, info=ex.info,
-            scope=scope, version_of=lambda r: adapter.version if adapter is not None
-            else r.weight_version,
+            state=state, request_id=ex.request_id, replied=ex.assembled or ex.replied,
+            info=ex.info, scope=scope, version_of=lambda r: adapter.version
+            if adapter is not None else r.weight_version,
             finish=lambda data, version: versioned(data, adapter, client_model, version),
             trace=ex.trace)
 

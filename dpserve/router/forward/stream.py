@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from dpserve.config import RouterConfig
-from dpserve.router.asgi import ReplyTracker
+from dpserve.router.asgi import Reply
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.fleet.adapters import versioned
 from dpserve.router.fleet.breaker import Outcome, classify
@@ -120,10 +120,11 @@ class StreamOwner:
                                    f"{self._config.first_byte_timeout_s:g} s") from None
         ex.first_byte_s = slot.first_byte_s = time.perf_counter() - ex.start
         self._first_byte.observe(slot.first_byte_s)
-        await ex.replied.start(resp.status, headers)
+        replied = ex.assembled or ex.replied
+        await replied.start(resp.status, headers)
         stream = ex.migration
         if stream is None:
-            broken = await self._pump(ex.replied, resp, slot, first, Plain(ex, version))
+            broken = await self._pump(replied, resp, slot, first, Plain(ex, version))
             if broken is not None:
                 await self._cut(ex, replica.id, broken)
             return Answered(resp.status, replica.id)
@@ -158,7 +159,7 @@ class StreamOwner:
                 return after
             leg, continuation = after, True
 
-    async def _pump(self, replied: ReplyTracker, resp: UpstreamResponse, slot: Slot,
+    async def _pump(self, replied: Reply, resp: UpstreamResponse, slot: Slot,
                     chunk: bytes, shape: Shape, *, movable: Callable[[], bool] | None = None,
                     ) -> Break | None:
         """Relay one replica's events, beginning with `chunk`, until its stream ends
@@ -208,5 +209,7 @@ class StreamOwner:
         if ex.not_migratable and broken.movable:
             self._metrics.migrations.labels(broken.reason, "refused").inc()
             self._metrics.migration_refusals.labels(ex.not_migratable).inc()
-        await ex.replied.body(sse_error_event(502, f"stream interrupted: {broken.detail}"),
-                              more=False)
+        why = (f"; the request may not move to another replica ({ex.not_migratable})"
+               if ex.not_migratable and broken.movable else "")
+        await (ex.assembled or ex.replied).body(
+            sse_error_event(502, f"stream interrupted: {broken.detail}{why}"), more=False)

@@ -257,6 +257,7 @@ class Migrator:
             self._metrics.migration_refusals.labels(why).inc()
         log.warning("request %s: stream cut (%s), not migrated: %s", stream.request_id,
                     detail, why)
-        await stream.replied.body(sse_error_event(502, f"stream interrupted: {detail}"),
-                                  more=False)
+        await stream.replied.body(sse_error_event(
+            502, f"stream interrupted: {detail}; not moved to another replica: {why}"),
+            more=False)
         return "none"

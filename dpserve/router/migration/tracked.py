@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dpserve.router.asgi import ReplyTracker, Scope
+from dpserve.router.asgi import Reply, Scope
 from dpserve.router.fleet.pool import Replica
 from dpserve.router.migration.replay import StreamState
 from dpserve.router.routing.policies import RequestInfo
@@ -42,7 +42,7 @@ class Stream:
 
     state: StreamState
     request_id: str
-    replied: ReplyTracker
+    replied: Reply
     info: RequestInfo
     scope: Scope
     version_of: Callable[[Replica], str | None]

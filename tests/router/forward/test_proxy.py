@@ -10,7 +10,7 @@ import pytest
 
 from dpserve.router.fleet.pool import ReplicaState
 from tests.conftest import running_router
-from tests.fakes import FINGERPRINT, MODEL
+from tests.fakes import FINGERPRINT, MODEL, as_sent
 from tests.replicas.test_launcher import closed_port_url
 from tests.waiting import wait_for
 
@@ -22,11 +22,10 @@ async def test_completion_is_forwarded_and_request_id_echoed(fake_replicas):
     async with running_router([a.url]) as (base, _), httpx.AsyncClient() as c:
         r = await c.post(base + "/v1/completions", json=BODY, headers={"x-request-id": "req-42"})
     assert r.status_code == 200
-    assert r.json()["choices"][0]["text"] == "from a"
     assert r.headers["x-request-id"] == "req-42"
     assert r.headers["x-dpserve-replica"] == "r0"
     assert a.headers_seen[0]["X-Request-Id"] == "req-42"
-    assert a.requests == [BODY]
+    assert [as_sent(r) for r in a.requests] == [BODY]
 
 
 async def test_request_id_is_generated_when_absent(fake_replicas):
@@ -163,7 +162,7 @@ async def test_non_stream_request_is_retried_when_the_replica_drops_it(fake_repl
         async with httpx.AsyncClient() as c:
             r = await c.post(base + "/v1/completions", json=BODY)
     assert r.status_code == 200
-    assert r.json()["choices"][0]["text"] == "from good"
+    assert r.headers["x-dpserve-replica"] == "r1" and r.json()["choices"]
     assert len(dropper.requests) == 1
 
 
@@ -267,7 +266,7 @@ def test_a_busy_port_is_a_clear_error():
 
 
 async def test_a_replica_silent_past_the_first_byte_timeout_is_a_504(fake_replicas):
-    a = await fake_replicas("a", mode="hang")
+    a = await fake_replicas("a", mode="mute")
     async with running_router([a.url], first_byte_timeout_s=0.5) as (base, router):
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(base + "/v1/completions", json=BODY)

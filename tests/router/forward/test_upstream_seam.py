@@ -15,6 +15,7 @@ from dpserve.config import RouterConfig
 from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.http.app import Router, build_app
 from dpserve.router.upstream.client import Origin, UpstreamResponse
+from tests.fakes import as_sent
 
 MODEL = "tiny"
 SSE = [(b"content-type", b"text/event-stream")]
@@ -62,7 +63,7 @@ async def test_a_request_reaches_the_given_client_framed_by_the_router():
     assert answer.headers["x-dpserve-replica"] == "r0"
     [(where, target, headers, body)] = upstream.sent
     assert (where, target) == ("127.0.0.1:9001", b"POST /v1/completions?x=1")
-    assert json.loads(body) == {"model": MODEL, "prompt": "hi"}
+    assert as_sent(json.loads(body)) == {"model": MODEL, "prompt": "hi"}
     assert headers.endswith(b"\r\n\r\n") and b"x-api-key" not in headers.lower()
     assert b"content-length: %d\r\n" % len(body) in headers
     assert len(upstream.released) == 1

@@ -16,6 +16,7 @@ import time
 import httpx
 
 from tests.conftest import running_router
+from tests.fakes import as_sent
 from tests.router.rawhttp import completion, exchange, parse_responses, read_all, request
 from tests.waiting import wait_for
 
@@ -116,7 +117,7 @@ async def test_a_slow_but_steady_body_is_served(fake_replicas):
         (answer,) = parse_responses(raw)
     assert len(pieces) * 0.3 > LIMITS["client_body_timeout_s"]
     assert answer.status == 200
-    assert replica.requests == [{"model": "fake-model", "prompt": "steady"}]
+    assert [as_sent(r) for r in replica.requests] == [{"model": "fake-model", "prompt": "steady"}]
 
 
 async def test_connections_past_the_cap_get_503_at_once(fake_replicas):

@@ -131,9 +131,8 @@ async def test_requests_pipelined_to_a_follower_are_answered_in_order_across_the
         answers = parse_responses(raw)
     assert [a.status for a in answers] == [200, 200, 200, 404, 200]
     assert answers[2].json()["replicas_ready"] == 2  # the leader's answer, relayed
-    assert [answers[1].json()["choices"][0]["text"], answers[4].json()["choices"][0]["text"]
-            ] in (["from r0", "from r1"], ["from r1", "from r0"], ["from r0"] * 2,
-                  ["from r1"] * 2)
+    assert {answers[1].headers["x-dpserve-replica"], answers[4].headers["x-dpserve-replica"]
+            } <= {"r0", "r1"}
     assert sorted(clients_prompts(replica, other)) == ["one", "two"]
 
 
