@@ -11,15 +11,21 @@ this process as `dpserve serve` composes them, with `stream_idle_timeout_s` = --
    before the kill to the first after) beside the median gap between chunks. r0 is
    restarted by the supervisor before the next kill. Then (`+stop` rows) the same
    with a stop string of 12+ characters that begins a few chunks after k: text, ids
-   and ending (finish and stop reason) against the same request uninterrupted.
+   and ending (finish and stop reason) against the same request uninterrupted. Then
+   (`-json` rows) the same request not streamed, which the router asks of the engine
+   as a stream and answers whole (`dpserve.router.forward.assembled`): r0 is killed
+   once its engine counted k more generated tokens; the answer's text, ids, ending and
+   usage against the uninterrupted answer.
 2. **kill -9 under mixed load.** --workers clients (half streaming, half not) send
    greedy completions of 16 to 128 tokens for --load-s seconds; r0 is SIGKILLed a third
    of the way in. Counted per kind: completed, failed (target 0 and 0), migrated
    streams, and the latency a migration added (the seam's gap minus the median gap
    of the streams that did not move).
-3. **SIGSTOP.** Streaming clients only; r0 is stopped for --stop-s, then continued.
-   Target: every stream completes, none waits longer than --idle-s plus one re-prefill
-   between two chunks (its longest gap is printed beside that bound).
+3. **SIGSTOP.** The same mixed load; r0 is stopped for --stop-s, then continued.
+   Target: every request completes, no stream waits longer than --idle-s plus one
+   re-prefill between two chunks, no non-streamed request longer than that plus its
+   own generation (the longest gap, and the longest non-streamed request beside the
+   median one, are printed beside that bound).
 
 The router's CPU cost of tracking token ids is measured by
 `overhead.py --migration-off-too`.
@@ -70,10 +76,11 @@ class Streamed:
         return [(b - a) * 1000 for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
-def body(route: str, prompt: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+def body(route: str, prompt: str, max_tokens: int, stream: bool = True,
+         ids: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"model": TINY_MODEL_NAME, "max_tokens": max_tokens,
                            "temperature": 0, "stream": stream, "ignore_eos": True}
-    if stream:
+    if ids:
         out["return_token_ids"] = True
     if route == "chat":
         return out | {"messages": [{"role": "user", "content": prompt}]}
@@ -151,7 +158,63 @@ async def exactness(f: Fleet, args: argparse.Namespace) -> list[str]:
                 if args.stops:
                     rows.append(await with_stop(f, c, route, k, payload, reference))
                     print(rows[-1], flush=True)
+                rows.append(await not_streamed(f, c, route, k, payload))
+                print(rows[-1], flush=True)
     return rows
+
+
+GENERATED = "vllm:generation_tokens_total"
+
+
+async def generated(c: httpx.AsyncClient, url: str) -> float:
+    """The engine's count of generated tokens (its Prometheus counter)."""
+    text = (await c.get(url + "/metrics", timeout=5)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(GENERATED + "{") or line.startswith(GENERATED + " "))
+
+
+async def not_streamed(f: Fleet, c: httpx.AsyncClient, route: str, k: int,
+                       payload: dict[str, Any]) -> str:
+    """The request not streamed, r0 killed once its engine generated k more tokens
+    (polled every 5 ms): the whole answer against the uninterrupted one."""
+    label = route + "-json"
+    # Longer than the streams: the kill must land before the whole answer is done.
+    payload = payload | {"stream": False, "max_tokens": min(900, 4 * payload["max_tokens"])}
+    reference = (await c.post(f.url + ROUTES[route], json=payload)).json()
+    r0, r1 = f.pool.get("r0"), f.pool.get("r1")
+    f.pool.set_state(r1, ReplicaState.DRAINING, "benchmark: pin to r0")
+    pid = f.supervisor.pids["r0"]
+    start = await generated(c, r0.url)
+
+    async def kill() -> None:
+        while await generated(c, r0.url) < start + k:
+            await asyncio.sleep(0.005)
+        f.pool.set_state(r1, ReplicaState.READY, "benchmark")
+        os.killpg(pid, signal.SIGKILL)
+
+    killer = asyncio.create_task(kill())
+    r = await c.post(f.url + ROUTES[route], json=payload)
+    killed = killer.done()
+    killer.cancel()
+    f.pool.set_state(r1, ReplicaState.READY, "benchmark")
+    if not killed:
+        return f"{label:<12} {k:>5} (the answer came before the kill)"
+    await restarted(f, "r0", pid)
+    got = r.json() if r.status_code == 200 else {}
+    seams = got.get("dpserve", {}).get("migrations", [])
+
+    def whole(answer: dict[str, Any]) -> tuple[Any, ...]:
+        choice = (answer.get("choices") or [{}])[0]
+        text = choice.get("message", {}).get("content") if route == "chat" else \
+            choice.get("text")
+        return (text, choice.get("token_ids"), choice.get("finish_reason"),
+                answer.get("usage"))
+
+    same = whole(got) == whole(reference)
+    return (f"{label:<12} {k:>5} {same!s:>10} {same!s:>9} "
+            f"{(seams[0]['replayed_tokens'] if seams else None)!s:>9} "
+            f"{'':>12} {'':>12} {len(seams):>6} "
+            f"{'-' if r.status_code == 200 else f'HTTP {r.status_code}'}")
 
 
 def first_new(text: str, start: int) -> str | None:
@@ -200,13 +263,15 @@ class Load:
     migrated: list[Streamed] = field(default_factory=list)
     unmoved_gaps: list[float] = field(default_factory=list)
     longest_gap_ms: float = 0.0
+    whole_s: list[float] = field(default_factory=list)
+    """Each non-streamed request's time to its answer."""
 
 
 async def worker(c: httpx.AsyncClient, url: str, streaming: bool, until: float, load: Load,
                  rng: random.Random) -> None:
     while time.monotonic() < until:
         payload = body("completions", f"load {rng.random():.6f}", rng.randint(16, 128),
-                       streaming)
+                       streaming, ids=streaming)
         try:
             if streaming:
                 s = await stream(c, url, "completions", payload)
@@ -217,7 +282,9 @@ async def worker(c: httpx.AsyncClient, url: str, streaming: bool, until: float, 
                     load.unmoved_gaps.append(statistics.median(s.gaps_ms()))
                 load.longest_gap_ms = max([load.longest_gap_ms, *s.gaps_ms()])
             else:
+                sent = time.perf_counter()
                 r = await c.post(url + "/v1/completions", json=payload)
+                load.whole_s.append(time.perf_counter() - sent)
                 ok, why = r.status_code == 200, f"HTTP {r.status_code}"
         except httpx.HTTPError as exc:
             ok, why = False, type(exc).__name__
@@ -264,6 +331,10 @@ def report_load(title: str, load: Load, args: argparse.Namespace) -> None:
         print("  no stream migrated")
     print(f"  longest gap between two chunks of any stream: {load.longest_gap_ms:.0f} ms "
           f"(bound: idle timeout {args.idle_s * 1000:.0f} ms + one re-prefill)")
+    if load.whole_s:
+        print(f"  non-streamed requests: longest {max(load.whole_s) * 1000:.0f} ms, median "
+              f"{statistics.median(load.whole_s) * 1000:.0f} ms (bound: idle timeout "
+              f"{args.idle_s * 1000:.0f} ms + one re-prefill + the request's generation)")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -280,8 +351,8 @@ async def run(args: argparse.Namespace) -> int:
                         f"{args.load_s:g} s)",
                         await under_load(f, args, sig=signal.SIGKILL, streaming_only=False),
                         args)
-            report_load(f"3. SIGSTOP of r0 for {args.stop_s:g} s under streaming load",
-                        await under_load(f, args, sig=signal.SIGSTOP, streaming_only=True),
+            report_load(f"3. SIGSTOP of r0 for {args.stop_s:g} s under the same load",
+                        await under_load(f, args, sig=signal.SIGSTOP, streaming_only=False),
                         args)
     return 0
 

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from dpserve.config import ConfigError, RouterConfig, ServeConfig
-from dpserve.replicas.launcher import plan_replicas, split_cores, visible_gpus
+from dpserve.replicas.launcher import (
+    engine_environment,
+    plan_replicas,
+    split_cores,
+    visible_gpus,
+)
 
 
 def closed_port_url() -> str:
@@ -112,3 +117,13 @@ def test_without_a_kv_directory_or_with_the_users_own_config_none_is_added():
                           port=lambda i: 9000 + i, run_dir=Path("/tmp/run"), python="py",
                           kv_dir=Path("/tmp/k"))
     assert all(list(s.argv).count("--kv-events-config") == 1 for s in specs)
+
+
+def test_vllm_settings_reach_the_engines_and_dpserve_keys_do_not():
+    """`VLLM_BATCH_INVARIANT=1` in dpserve's environment turns on vLLM's batch-invariant
+    mode in every engine (docs/serving.md, exactness of a migrated stream); the keys of
+    dpserve's own settings stay out of the engines' environment."""
+    env = engine_environment({"VLLM_BATCH_INVARIANT": "1", "DPSERVE_API_KEY": "sk-secret",
+                              "DPSERVE_ASSEMBLE_RESPONSES": "false", "PATH": "/bin"},
+                             {"CUDA_VISIBLE_DEVICES": "0"})
+    assert env == {"VLLM_BATCH_INVARIANT": "1", "PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}

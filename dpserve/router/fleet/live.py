@@ -1,4 +1,6 @@
-"""The migratable streams running on each replica, so a drain can move them on cue.
+"""The migratable streams running on each replica, so a drain can move them on cue,
+and when each replica last sent one of them a chunk (a replica silent for the idle
+timeout while a stream waits for its first token is stalled, not busy).
 
 A stream registers its upstream response for as long as it relays it
 (`dpserve.router.forward.stream`). `evict(replica)` interrupts every one on that
@@ -15,6 +17,7 @@ the tokens their client has), and only those can mix two weight versions.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,6 +66,16 @@ class LiveStreams:
         """Per replica: each stream's `movable` and whether it would restart."""
         self.peers: Peers | None = None
         """Other workers' streams, counted and evicted with this worker's."""
+        self._heard: dict[str, float] = {}
+        """Per replica: when a stream last got a chunk from it (`time.monotonic`)."""
+
+    def heard(self, replica_id: str) -> None:
+        """A stream got a chunk from `replica_id`: it is working."""
+        self._heard[replica_id] = time.monotonic()
+
+    def last_heard(self, replica_id: str) -> float:
+        """When a stream of this worker last got a chunk from `replica_id` (0: never)."""
+        return self._heard.get(replica_id, 0.0)
 
     @contextlib.contextmanager
     def running(self, replica_id: str, resp: UpstreamResponse,

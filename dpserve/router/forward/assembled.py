@@ -23,6 +23,7 @@ that add fields to a whole answer only (`--enable-prompt-tokens-details` does no
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from dpserve.router.asgi import ReplyTracker
@@ -66,7 +67,7 @@ class Assembler:
     client's `ReplyTracker`): it reads them and, once the stream ends, answers the
     client with the one JSON body, or the error that ended it."""
 
-    __slots__ = ("_chat", "_choice", "_error", "_extension", "_fed", "_head", "_limit",
+    __slots__ = ("_chat", "_choice", "_error", "_events", "_extension", "_fed", "_head", "_limit",
                  "_pieces", "_reasoning", "_replied", "_status", "_top", "finished",
                  "started")
 
@@ -81,7 +82,9 @@ class Assembler:
         self._top: dict[str, Any] = {}
         """`id`, `created`, `model`, `system_fingerprint`, `usage`, prompt fields."""
         self._choice: dict[str, Any] = {"finish_reason": None, "stop_reason": None}
-        self._pieces: list[str] = []
+        self._pieces: list[bytes] = []
+        """The text, as JSON escapes it."""
+        self._events: list[bytes] = []
         self._reasoning: list[str] = []
         self._extension: Any = None
         self._error: dict[str, Any] | None = None
@@ -99,15 +102,40 @@ class Assembler:
         if self._fed > self._limit:
             raise RouterError(502, f"the response is larger than the router's limit of "
                                    f"{self._limit} bytes")
-        for event in data.split(b"\n\n"):
-            event = event.strip(b"\r\n")
-            if event.startswith(b"data: {"):
-                self._read(json.loads(event[6:]))
+        self._events.append(data)  # whole events: read at the end, in one pass
         if not more:
             self.finished = True
+            self._read_all(b"".join(self._events))
             await self._answer()
 
-    def _read(self, chunk: dict[str, Any]) -> None:
+    def _read_all(self, block: bytes) -> None:
+        """Every event of the stream. Where they are vLLM's compact JSON of one choice,
+        the text and ids of all are found by a scan of the bytes (the text decoded
+        once, at the end), and only the events that say more are parsed: the first,
+        the end, usage. A key cannot occur inside a string value (its quotes are escaped
+        there), so a match is the field itself. Else each event is parsed."""
+        if any(x in block for x in _PARSED) or (
+                block.count(b'"index":') != block.count(b'"index":0,')):
+            for event in block.replace(b"\r\n", b"\n").split(b"\n\n"):
+                if event.startswith(b"data: {"):
+                    self._read(json.loads(event[6:]))
+            return
+        self._pieces = (_CONTENT if self._chat else _TEXT).findall(block)
+        if found := _IDS.findall(block):
+            ids = b",".join(x for x in found if x)
+            self._choice["token_ids"] = [int(x) for x in ids.split(b",")] if ids else []
+        # The events that say more than text: the first, the end, usage (with the
+        # router's `dpserve` field, on the end's).
+        starts = {block.find(b"data: {")}
+        for key in (b'"finish_reason":"', b'"usage":{', b'"dpserve"'):
+            if (at := block.rfind(key)) >= 0:
+                starts.add(block.rfind(b"data: {", 0, at))
+        for at in sorted(starts - {-1}):
+            end = block.find(b"\n\n", at)
+            self._read(json.loads(block[at + 6:end if end >= 0 else len(block)]), text=False)
+
+    def _read(self, chunk: dict[str, Any], *, text: bool = True) -> None:
+        """One event, parsed; `text`: its text and ids too (else found by the scan)."""
         if "error" in chunk:
             self._error = chunk
             return
@@ -120,17 +148,18 @@ class Assembler:
         if "dpserve" in chunk:
             self._extension = chunk["dpserve"]
         for choice in chunk.get("choices") or ():
-            if self._chat:
-                delta = choice.get("delta") or {}
-                self._pieces.append(delta.get("content") or "")
-                if delta.get("reasoning"):
-                    self._reasoning.append(delta["reasoning"])
-            else:
-                self._pieces.append(choice.get("text") or "")
-                if choice.get("prompt_token_ids") is not None:
-                    top["prompt_token_ids"] = choice["prompt_token_ids"]
-            if choice.get("token_ids") is not None:
-                self._choice.setdefault("token_ids", []).extend(choice["token_ids"])
+            if not self._chat and choice.get("prompt_token_ids") is not None:
+                top["prompt_token_ids"] = choice["prompt_token_ids"]
+            if text:
+                if self._chat:
+                    delta = choice.get("delta") or {}
+                    self._pieces.append(_escaped(delta.get("content") or ""))
+                    if delta.get("reasoning"):
+                        self._reasoning.append(delta["reasoning"])
+                else:
+                    self._pieces.append(_escaped(choice.get("text") or ""))
+                if choice.get("token_ids") is not None:
+                    self._choice.setdefault("token_ids", []).extend(choice["token_ids"])
             if choice.get("finish_reason") is not None:
                 self._choice["finish_reason"] = choice["finish_reason"]
                 self._choice["stop_reason"] = choice.get("stop_reason")
@@ -156,7 +185,7 @@ class Assembler:
 
     def _assembled(self) -> bytes:
         top, choice = self._top, self._choice
-        text = "".join(self._pieces)
+        text = json.loads(b'"' + b"".join(self._pieces) + b'"')
         ids = choice.get("token_ids")
         usage = top.get("usage") or {}
         usage = {k: usage.get(k) for k in ("prompt_tokens", "total_tokens",
@@ -187,6 +216,19 @@ class Assembler:
         if self._extension is not None:
             out["dpserve"] = self._extension
         return _dumps(out)
+
+
+_TEXT = re.compile(rb'"text":"((?:[^"\\]|\\.)*)"')
+_CONTENT = re.compile(rb'"content":"((?:[^"\\]|\\.)*)"')
+_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
+_PARSED = (b'"error"', b'"reasoning', b'": ', b'"tool_calls"', b"\r")
+"""What makes `_read_all` parse every event: an error, reasoning, tool calls, JSON
+written with spaces or CRLF line ends."""
+
+
+def _escaped(text: str) -> bytes:
+    """`text` as the inside of a JSON string."""
+    return json.dumps(text).encode()[1:-1]
 
 
 def _dumps(value: Any) -> bytes:

@@ -45,6 +45,10 @@ from dpserve.router.upstream.client import UpstreamResponse
 log = logging.getLogger("dpserve.proxy")
 
 
+class Stalled(Exception):
+    """A replica sent nothing to any stream while one waited for its first chunk."""
+
+
 class Shape(Protocol):
     """What the client gets of a replica's events."""
 
@@ -106,11 +110,13 @@ class StreamOwner:
             # Moved only where it can start over: a drain leaves it here otherwise.
             with self._live.running(replica.id, resp, lambda: self._dispatch.could_take(
                     ex.info, tried), restarts=True):
-                async with asyncio.timeout(self._config.first_byte_timeout_s):
-                    first = await resp.readany()
+                first = await self._first_chunk(resp, replica.id)
         except Evicted as exc:
             slot.outcome = Outcome.ABORTED  # the router's doing: no mark on the replica
             return StartOver(f"{exc} before the stream's first chunk")
+        except Stalled as exc:  # the client has nothing yet: another replica may serve
+            slot.outcome = Outcome.TIMEOUT
+            return TryAnother(str(exc))
         except OSError as exc:  # the client's upstream errors are OSErrors
             slot.outcome = Outcome.DISCONNECTED
             return TryAnother(f"stream dropped before its first chunk ({type(exc).__name__})")
@@ -133,6 +139,34 @@ class StreamOwner:
         # own): released early here all the same.
         return Answered(resp.status, await self._legs(ex, stream, Leg(slot, resp, first),
                                                       tried))
+
+    async def _first_chunk(self, resp: UpstreamResponse, replica_id: str) -> bytes:
+        """The stream's first chunk: within `first_byte_timeout_s` (TimeoutError; long
+        prompts queue), unless the replica sent no stream a chunk for
+        `stream_idle_timeout_s` meanwhile (`Stalled`): a stopped engine, not a busy one."""
+        idle = self._config.stream_idle_timeout_s
+        now = time.monotonic()
+        began, deadline = now, now + self._config.first_byte_timeout_s
+        read = asyncio.ensure_future(resp.readany())
+        try:
+            while True:
+                quiet_from = max(began, self._live.last_heard(replica_id))
+                wait = min(quiet_from + idle, deadline) - now
+                if wait > 0:
+                    done, _ = await asyncio.wait({read}, timeout=wait)
+                    if done:
+                        first = read.result()
+                        self._live.heard(replica_id)
+                        return first
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError
+                if now - max(began, self._live.last_heard(replica_id)) >= idle:
+                    raise Stalled(f"replica {replica_id} sent no stream anything for "
+                                  f"{idle:g} s before this one's first chunk")
+        finally:
+            if not read.done():
+                read.cancel()
 
     async def _legs(self, ex: Exchange, stream: Stream, leg: Leg, tried: list[str]) -> str:
         """Relay a migratable stream leg after leg; the replica that ended it."""
@@ -177,6 +211,7 @@ class StreamOwner:
                     events.check()
                     async with asyncio.timeout(idle):
                         chunk = await resp.readany()
+                    self._live.heard(slot.replica.id)
         except (OSError, TimeoutError, EventTooLarge) as exc:
             # What the client has is whole events; the unfinished one is dropped.
             return self._broken(slot, exc)

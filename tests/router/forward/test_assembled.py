@@ -9,17 +9,22 @@ checked on real replicas (tests/integration/test_assembled.py).
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpserve.router.asgi import ReplyTracker
 from dpserve.router.errors import RouterError, sse_error_event
 from dpserve.router.forward.assembled import Assembler, ride_body
 from tests.conftest import running_router
 from tests.fake_tokens import expected_text, generate, prompt_ids
-from tests.router.migration.helpers import all_ready, scrape
+from tests.router.migration.helpers import all_ready, scrape, stream, text
+from tests.waiting import wait_for
 
 COMPLETION = {"model": "fake-model", "prompt": "The quick brown fox", "max_tokens": 12,
               "temperature": 0}
@@ -191,3 +196,67 @@ async def test_an_answer_past_the_response_limit_is_refused():
         await assembled(b'data: {"choices":[{"index":0,"text":"' + b"x" * 200 + b'"}]}\n\n',
                         limit=100)
     assert err.value.status == 502 and "100 bytes" in err.value.message
+
+
+def vllm_events(pieces: list[str], ids: list[list[int]], *, chat: bool) -> bytes:
+    """A stream as vLLM 0.32 writes it (compact JSON, UTF-8 as is), ending with usage."""
+    def event(chunk: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(chunk, ensure_ascii=False,
+                                      separators=(",", ":")).encode() + b"\n\n"
+
+    head = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1, "model": "m"}
+    out = [event(head | {"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                      "logprobs": None, "finish_reason": None}]})] if chat \
+        else []
+    for i, (piece, tokens) in enumerate(zip(pieces, ids, strict=True)):
+        last = i == len(pieces) - 1
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": "length" if last else None}
+        choice |= {"delta": {"content": piece}} if chat else {"text": piece,
+                                                               "stop_reason": None}
+        out.append(event(head | {"choices": [choice | {"token_ids": tokens}]}))
+    usage = {"prompt_tokens": 3, "total_tokens": 3 + len(pieces),
+             "completion_tokens": len(pieces)}
+    out.append(event(head | {"choices": [], "usage": usage}))
+    return b"".join(out) + b"data: [DONE]\n\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.text(), min_size=1, max_size=12),
+       chat=st.booleans(), data=st.data())
+async def test_any_text_is_assembled_exactly_as_it_was_streamed(pieces, chat, data):
+    """Quotes, backslashes, escapes, surrogates' halves, keys inside the text: the
+    byte scan of most events gives what parsing each would."""
+    ids = [data.draw(st.lists(st.integers(0, 10**6), max_size=3)) for _ in pieces]
+    status, _, body = await assembled(vllm_events(pieces, ids, chat=chat), chat=chat)
+    answer = json.loads(body)
+    [choice] = answer["choices"]
+    assert status == 200
+    assert (choice["message"]["content"] if chat else choice["text"]) == "".join(pieces)
+    assert choice["token_ids"] == [t for group in ids for t in group]
+    assert answer["usage"]["completion_tokens"] == len(pieces)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["not-streamed", "streamed"])
+async def test_a_replica_silent_before_the_first_token_is_left_after_the_idle_timeout(
+        fake_replicas, streamed):
+    """A stopped engine still takes requests and answers their heads; one waiting for
+    its first token there goes elsewhere once the replica sent nothing for the idle
+    timeout (its client has nothing yet), not after `first_byte_timeout_s`."""
+    a = await fake_replicas("a", tokens=True, first_chunk_gate=asyncio.Event())  # never
+    b = await fake_replicas("b", tokens=True)
+    async with running_router([a.url, b.url], policy="round-robin",
+                              stream_idle_timeout_s=0.5) as (base, router):
+        await all_ready(router, 2)
+        if streamed:
+            events = await stream(base, "/v1/completions", COMPLETION | {"stream": True})
+            got = text(events)
+        else:
+            r = await post(base, "/v1/completions", COMPLETION)
+            assert r.headers["x-dpserve-replica"] == "r1"
+            got = r.json()["choices"][0]["text"]
+        await wait_for(lambda: a.closed_streams == 1, "r0's stream closed (vLLM aborts it)")
+    assert got == expected_text(COMPLETION, 12)
+    assert len(b.requests) == 1
