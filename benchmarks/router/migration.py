@@ -263,6 +263,8 @@ class Load:
     migrated: list[Streamed] = field(default_factory=list)
     unmoved_gaps: list[float] = field(default_factory=list)
     longest_gap_ms: float = 0.0
+    moved_whole: int = 0
+    """Non-streamed requests continued on another replica mid-way."""
     whole_s: list[float] = field(default_factory=list)
     """Each non-streamed request's time to its answer."""
 
@@ -286,6 +288,8 @@ async def worker(c: httpx.AsyncClient, url: str, streaming: bool, until: float, 
                 r = await c.post(url + "/v1/completions", json=payload)
                 load.whole_s.append(time.perf_counter() - sent)
                 ok, why = r.status_code == 200, f"HTTP {r.status_code}"
+                if ok and r.json().get("dpserve", {}).get("migrations"):
+                    load.moved_whole += 1
         except httpx.HTTPError as exc:
             ok, why = False, type(exc).__name__
         if ok:
@@ -332,6 +336,8 @@ def report_load(title: str, load: Load, args: argparse.Namespace) -> None:
     print(f"  longest gap between two chunks of any stream: {load.longest_gap_ms:.0f} ms "
           f"(bound: idle timeout {args.idle_s * 1000:.0f} ms + one re-prefill)")
     if load.whole_s:
+        print(f"  non-streamed requests continued mid-way on another replica: "
+              f"{load.moved_whole}")
         print(f"  non-streamed requests: longest {max(load.whole_s) * 1000:.0f} ms, median "
               f"{statistics.median(load.whole_s) * 1000:.0f} ms (bound: idle timeout "
               f"{args.idle_s * 1000:.0f} ms + one re-prefill + the request's generation)")
@@ -342,18 +348,22 @@ async def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dpserve-migration-bench-") as work:
         async with fleet(model, Path(work), 2, policy="round-robin",
                          stream_idle_timeout_s=args.idle_s) as f:
-            print(f"\n1. exactness: greedy streams of {args.max_tokens} tokens, r0 killed "
-                  "after k chunks")
-            print(f"{'route':<12} {'k':>5} {'same ids':>10} {'same text':>9} {'replayed':>9} "
-                  f"{'seam gap ms':>12} {'median gap':>12} {'moves':>6} error")
-            await exactness(f, args)
-            report_load(f"2. kill -9 of r0 under mixed load ({args.workers} clients, "
-                        f"{args.load_s:g} s)",
-                        await under_load(f, args, sig=signal.SIGKILL, streaming_only=False),
-                        args)
-            report_load(f"3. SIGSTOP of r0 for {args.stop_s:g} s under the same load",
-                        await under_load(f, args, sig=signal.SIGSTOP, streaming_only=False),
-                        args)
+            if args.exactness:
+                print(f"\n1. exactness: greedy streams of {args.max_tokens} tokens, r0 "
+                      "killed after k chunks")
+                print(f"{'route':<12} {'k':>5} {'same ids':>10} {'same text':>9} "
+                      f"{'replayed':>9} {'seam gap ms':>12} {'median gap':>12} {'moves':>6} "
+                      "error")
+                await exactness(f, args)
+            for trial in range(1, args.trials + 1):
+                of = f", trial {trial} of {args.trials}" if args.trials > 1 else ""
+                report_load(f"2. kill -9 of r0 under mixed load ({args.workers} clients, "
+                            f"{args.load_s:g} s{of})",
+                            await under_load(f, args, sig=signal.SIGKILL,
+                                             streaming_only=False), args)
+                report_load(f"3. SIGSTOP of r0 for {args.stop_s:g} s under the same load{of}",
+                            await under_load(f, args, sig=signal.SIGSTOP,
+                                             streaming_only=False), args)
     return 0
 
 
@@ -369,6 +379,10 @@ def main() -> int:
     p.add_argument("--idle-s", type=float, default=2.0, help="the router's stream idle timeout")
     p.add_argument("--no-stops", dest="stops", action="store_false",
                    help="skip the exactness runs with a stop string")
+    p.add_argument("--no-exactness", dest="exactness", action="store_false",
+                   help="skip section 1 (the kills at k chunks)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="times sections 2 and 3 run, one after the other")
     args = p.parse_args()
     if not Path(args.model, "config.json").is_file():
         p.error(f"--model {args.model}: no built model there (run `make model`)")

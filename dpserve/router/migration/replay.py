@@ -129,7 +129,7 @@ class StreamState:
             cut = min(ends, default=len(block))
             self._parse(block[:cut])
             block = block[cut:]
-        if block and (self.stops or not self._scan(block)):
+        if block and not self._scan(block):
             self._parse(block)
 
     def _parse(self, block: bytes) -> None:
@@ -167,6 +167,9 @@ class StreamState:
             covered = ids if end + 2 == len(block) else _all_ids(block[:end])
             self.synced = len(self.ids) + len(covered or ())
         self.ids += ids
+        if self.stops:  # the text the client got, for the seam (`stops`)
+            pieces = (_TEXTS_CHAT if self.chat else _TEXTS).findall(block)
+            self.sent.add(json.loads(b'"' + b"".join(pieces) + b'"'))
         if finished >= 0:
             at = finished + len(_FINISHED)
             self.finish_reason, self.done = block[at:block.find(b'"', at)].decode("latin-1"), True
@@ -326,6 +329,9 @@ LEARN_EVERY_BYTES = 16384
 """Events held unread at most (about 60 tokens): bounded memory per stream."""
 _TEXT = b'"text":"'
 _TEXT_CHAT = b'"content":"'
+_TEXTS = re.compile(rb'"text":"((?:[^"\\]|\\.)*)"')
+_TEXTS_CHAT = re.compile(rb'"content":"((?:[^"\\]|\\.)*)"')
+"""Each event's text as JSON escapes it (decoded together: one parse for a run)."""
 
 
 def _all_ids(block: bytes) -> list[int] | None:

@@ -243,3 +243,29 @@ def test_the_forwarded_request_asks_for_token_ids(raw):
     body = json.loads(raw)
     sent = json.loads(upstream_body(body, raw))
     assert sent == body | {"return_token_ids": True}
+
+
+@given(pieces=st.lists(st.text(), min_size=1, max_size=20), chat=st.booleans())
+def test_with_stop_strings_the_text_sent_is_known_whatever_it_holds(pieces, chat):
+    """A stream with stop strings keeps the end of the text its client got (for the
+    seam), read from the events' bytes: quotes, backslashes, keys and escapes inside
+    the text give what parsing each event would."""
+    state = StreamState(chat=chat, body={"stop": ["zz"]})
+
+    def event(i: int, piece: str) -> bytes:
+        head = {"id": "x", "created": 1, "model": "m"}
+        if i == 0:  # the first event: with the prompt's ids
+            head["prompt_token_ids"] = [1, 2]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None,
+                                  "token_ids": [i + 5]}
+        choice |= {"delta": {"content": piece}} if chat else {"text": piece}
+        return b"data: " + json.dumps(head | {"choices": [choice]}, ensure_ascii=False,
+                                      separators=(",", ":")).encode() + b"\n\n"
+
+    for i, piece in enumerate(pieces):
+        state.client_block(event(i, piece))
+    state.learn()
+    text = "".join(pieces)
+    assert state.sent.chars == len(text)
+    assert state.sent.tail == text[-state.sent.keep:]
+    assert state.ids == [i + 5 for i in range(len(pieces))]
