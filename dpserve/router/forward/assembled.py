@@ -15,9 +15,10 @@ are the stream's, and `dpserve.migrations` where it moved. Exact where the reque
 asks for one sequence of text: requests with `n` or `best_of` > 1, beam search,
 `echo`, logprobs, tool calls, several prompts, token offsets, routed experts, KV
 transfer parameters, `vllm_xargs` or `stream_options` (vLLM refuses that one without
-a stream) are forwarded as they are (`assemblable`). Engines started with options
-that add fields to a whole answer only (`--enable-prompt-tokens-details` does not;
-`--enable-per-request-metrics` does: `metrics` is then null) would differ there.
+a stream) are forwarded as they are (`assemblable`). `usage` and `metrics` come from
+the stream's last event, which vLLM writes without null fields: where an engine
+reports more (`--enable-prompt-tokens-details`, `--enable-per-request-metrics`,
+speculative decoding) the values are the same, the nested nulls left out.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class Assembler:
         top = self._top
         if not top:
             top.update((k, chunk.get(k)) for k in ("id", "created", "model"))
-        for key in ("system_fingerprint", "prompt_token_ids", "prompt_text", "usage"):
+        for key in ("system_fingerprint", "prompt_token_ids", "prompt_text", "usage",
+                    "metrics"):
             if chunk.get(key) is not None:
                 top[key] = chunk[key]
         if "dpserve" in chunk:
@@ -212,7 +214,8 @@ class Assembler:
                 "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"],
                 "token_ids": ids, "prompt_logprobs": None,
                 "prompt_token_ids": top.get("prompt_token_ids"), "routed_experts": None}]} | end
-        out |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        out |= {"kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": top.get("metrics")}
         if self._extension is not None:
             out["dpserve"] = self._extension
         return _dumps(out)

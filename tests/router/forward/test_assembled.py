@@ -260,3 +260,15 @@ async def test_a_replica_silent_before_the_first_token_is_left_after_the_idle_ti
         await wait_for(lambda: a.closed_streams == 1, "r0's stream closed (vLLM aborts it)")
     assert got == expected_text(COMPLETION, 12)
     assert len(b.requests) == 1
+
+
+async def test_metrics_an_engine_reports_on_its_last_event_reach_the_answer():
+    """`--enable-per-request-metrics` (or speculative decoding): vLLM puts them on a
+    stream's usage event; a whole answer carries them at the top."""
+    events = vllm_events(["a", "b"], [[1], [2]], chat=False)
+    metrics = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 50.0}
+    usage_at = events.rindex(b'"usage":')
+    events = events[:usage_at] + b'"metrics":' + json.dumps(metrics).encode() + b"," + \
+        events[usage_at:]
+    status, _, body = await assembled(events)
+    assert status == 200 and json.loads(body)["metrics"] == metrics
