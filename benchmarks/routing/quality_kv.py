@@ -61,12 +61,11 @@ from benchmarks.common.tools import (
     VLLM_ROUTER_SPEC,
     ensure_tool,
     export_ref,
-    vllm_router_argv,
-    vllm_router_kv_args,
     vllm_router_version,
 )
 from benchmarks.routing import chat_load, kv_study, quality, workloads
 from benchmarks.routing import sim_fleet as fleet
+from benchmarks.routing.kv_routers import router_command, wait_following
 from benchmarks.routing.quality_kv_report import (
     Arm,
     Row,
@@ -90,8 +89,6 @@ kv_aware follows the simulator's events on the empty topic (README)."""
 ANSWER_S_BOUND = 30.0
 """Longest a chat answer is allowed in the bound on a chat run (a 256-token answer takes
 ~15 s with these engines)."""
-FOLLOW_TIMEOUT_S = 30.0
-PEER_KEY = "quality-kv-peer-key-0123456789abcdef"
 """The peers' shared key in these runs (a benchmark's, on loopback)."""
 SMOKE = {"workloads": "chat-deploy", "arms": "dpserve:kv-aware,dpserve:kv-aware:2",
          "replicas": 4, "conversations": 16, "turns": 3, "think_s": 2.0,
@@ -259,35 +256,18 @@ class Bench:
                       me: int) -> Router:
         port, metrics_port = free_ports(2)
         url = f"http://{HOST}:{port}"
-        env = None
-        if arm.kind == "dpserve":
-            argv = [sys.executable, "-m", "dpserve", "router", "--host", HOST, "--port",
-                    str(port), "--policy", arm.policy, "--log-level", "warning",
-                    *(a for u in urls for a in ("--replica", u))]
-            if arm.policy == "kv-aware":
-                argv += ["--tokenizer", "sim"]
-            if peer_ports:
-                argv += ["--peer-bind", f"{HOST}:{peer_ports[me]}",
-                         *(a for i, p in enumerate(peer_ports) if i != me
-                           for a in ("--peer", f"{HOST}:{p}"))]
-                env = {**os.environ, "DPSERVE_PEER_KEY": PEER_KEY}
-            metrics_url = f"{url}/metrics"
-        else:
-            if self.vllm_router is None:
-                raise RuntimeError("vllm-router is not installed")
-            argv = vllm_router_argv(self.vllm_router, urls, port, metrics_port, arm.policy)
-            if arm.policy == "kv_aware":
-                sim = build_sim_config({}, fleet.SIM_CONFIG)
-                argv += vllm_router_kv_args(urls, [_event_sources(u) for u in urls],
-                                            block_size=sim.block_size, model=sim.model)
-            metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-        service = start_service(f"router-{tag}", argv, self.work_dir, env=env,
+        sim = build_sim_config({}, fleet.SIM_CONFIG)
+        cmd = router_command(arm, urls, port, metrics_port, tokenizer="sim",
+                             peer_ports=peer_ports, me=me, vllm_router=self.vllm_router,
+                             block_size=sim.block_size, model=sim.model)
+        service = start_service(f"router-{tag}", cmd.argv, self.work_dir,
+                                env={**os.environ, **cmd.env} if cmd.env else None,
                                 cwd=self.src if arm.kind == "dpserve" else None)
         self.services.append(service)
         quality.wait_ready(service, url, arm.kind, len(urls))
         if arm.policy == "kv-aware":
-            _wait_following(service, metrics_url, len(urls))
-        return Router(service, url, metrics_url)
+            wait_following(service, cmd.metrics_url, len(urls))
+        return Router(service, url, cmd.metrics_url)
 
     def _load(self, job: Job, router_urls: list[str], replica_urls: list[str], tag: str
               ) -> dict[str, Any] | None:
@@ -320,30 +300,6 @@ class Bench:
             print(f"  load run exited with code {code}:\n{load.log_tail(5)}", flush=True)
             return None
         return dict(json.loads(result.read_text()))
-
-
-def _event_sources(url: str) -> dict[str, Any]:
-    status, body = http_call(f"{url}/kv_event_sources")
-    if status != 200:
-        raise RuntimeError(f"{url}/kv_event_sources answered HTTP {status}")
-    return dict(json.loads(body))
-
-
-def _wait_following(service: Service, metrics_url: str, replicas: int) -> None:
-    """Until a kv-aware router follows every replica's events (else its first requests
-    are placed by the fallback, which the run would count against it)."""
-    deadline = time.monotonic() + FOLLOW_TIMEOUT_S
-    following = 0.0
-    while time.monotonic() < deadline:
-        service.check_alive("start-up")
-        text = http_call(metrics_url, timeout=2.0)[1].decode(errors="replace")
-        following = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                        if line.startswith("dpserve_kv_events_following"))
-        if following >= replicas:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{service.name} followed {following:.0f} of {replicas} replicas' "
-                       f"events after {FOLLOW_TIMEOUT_S:.0f} s:\n{service.log_tail(10)}")
 
 
 def _say(row: Row) -> None:

@@ -53,11 +53,9 @@ from benchmarks.common.tools import (
     REPO,
     VLLM_ROUTER_SPEC,
     ensure_tool,
-    vllm_router_argv,
-    vllm_router_kv_args,
 )
 from benchmarks.routing import quality, real_chat
-from benchmarks.routing.quality_kv import PEER_KEY, _event_sources, _wait_following
+from benchmarks.routing.kv_routers import router_command, wait_following
 from benchmarks.routing.quality_kv_report import Arm, parse_arm
 from dpserve.demo import TINY_VLLM_ARGS
 from dpserve.demo.run import OFFLINE_ENV
@@ -223,33 +221,18 @@ class Bench:
         port, metrics_port = free_ports(2)
         url = f"http://{HOST}:{port}"
         tag = f"router-{out.pressure:g}-{out.round}-{arm.name.replace(':', '-')}-{me}"
-        env = {**os.environ, **OFFLINE_ENV}
-        if arm.kind == "dpserve":
-            argv = [sys.executable, "-m", "dpserve", "router", "--host", HOST, "--port",
-                    str(port), "--policy", arm.policy, "--log-level", "warning",
-                    *(a for u in urls for a in ("--replica", u))]
-            if arm.policy == "kv-aware":
-                argv += ["--tokenizer", str(self.args.model.resolve())]
-            if peer_ports:
-                argv += ["--peer-bind", f"{HOST}:{peer_ports[me]}",
-                         *(a for i, p in enumerate(peer_ports) if i != me
-                           for a in ("--peer", f"{HOST}:{p}"))]
-                env["DPSERVE_PEER_KEY"] = PEER_KEY
-            metrics_url = f"{url}/metrics"
-        else:
-            assert self.vllm_router is not None
-            argv = vllm_router_argv(self.vllm_router, urls, port, metrics_port, arm.policy)
-            if arm.policy == "kv_aware":
-                argv += vllm_router_kv_args(urls, [_event_sources(u) for u in urls],
-                                            block_size=BLOCK_SIZE, model=TINY_MODEL_NAME)
-            metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-        service = start_service(tag, argv, self.work, env=env, cwd=REPO)
+        cmd = router_command(arm, urls, port, metrics_port,
+                             tokenizer=str(self.args.model.resolve()), peer_ports=peer_ports,
+                             me=me, vllm_router=self.vllm_router, block_size=BLOCK_SIZE,
+                             model=TINY_MODEL_NAME)
+        service = start_service(tag, cmd.argv, self.work,
+                                env={**os.environ, **OFFLINE_ENV, **cmd.env}, cwd=REPO)
         try:
             quality.wait_ready(service, url, arm.kind, len(urls))
             if arm.kind == "dpserve":  # /ready: the tokenizer loaded too
                 wait_until_ok(service, f"{url}/ready", READY_S)
             if arm.policy == "kv-aware":
-                _wait_following(service, metrics_url, len(urls))
+                wait_following(service, cmd.metrics_url, len(urls))
         except BaseException:
             service.stop()
             raise
