@@ -133,13 +133,14 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
                  cut_after: int | None, hang_after: int | None,
                  delay_s: float, hang_at_end: bool = False,
                  before_first: Callable[[web.Request], Awaitable[bool]] | None = None,
-                 max_model_len: int | None = None) -> web.StreamResponse:
+                 max_model_len: int | None = None, per_chunk: int = 1) -> web.StreamResponse:
     """Answer a streaming completion or chat as vLLM 0.32 does with `return_token_ids`.
     `cut_after` tokens: the connection closes (a replica killed); `hang_after`: nothing
     more is sent (a stalled engine); `hang_at_end`: `[DONE]` is sent, then nothing, the
     response never ended (an engine stopped between its last event and the end);
     `before_first`: awaited after the head went out, before the first event (False:
-    the client left meanwhile); `max_model_len`: see `length`."""
+    the client left meanwhile); `max_model_len`: see `length`; `per_chunk`: tokens
+    merged into one chunk, as vLLM merges outputs when its reader falls behind."""
     chat = "messages" in body
     ids = body.get("return_token_ids") is True
     prompt = prompt_ids(body)
@@ -167,6 +168,8 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
     min_tokens = int(body.get("min_tokens") or 0)
     hold = max(map(len, stops), default=1) - 1 if not include else 0
     output, sent = "", 0  # vLLM's output text, and how much of it went out
+    merged: list[int] = []  # tokens not sent yet (`per_chunk`)
+    merged_text, first = "", True
     for i in range(n):
         if cut_after is not None and i == cut_after:
             assert request.transport is not None
@@ -185,16 +188,21 @@ async def stream(request: web.Request, body: dict[str, Any], *, name: str, finge
             finish = "stop"
         end = len(output) if finish else max(sent, len(output) - hold)
         text, sent = output[sent:end], end
+        merged.append(token)
+        merged_text += text
+        if not finish and len(merged) < per_chunk:
+            continue
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
-                                  "token_ids": [token] if ids else None}
+                                  "token_ids": merged if ids else None}
         if chat:
-            choice["delta"] = {"content": text}
+            choice["delta"] = {"content": merged_text}
         else:
-            choice |= {"text": text, "stop_reason": stop[0] if stop else None,
-                       "prompt_token_ids": prompt if ids and i == 0 else None}
+            choice |= {"text": merged_text, "stop_reason": stop[0] if stop else None,
+                       "prompt_token_ids": prompt if ids and first else None}
         if chat and finish:
             choice["stop_reason"] = stop[0] if stop else None
         await send({"choices": [choice]})
+        merged, merged_text, first = [], "", False
         if finish:
             n = i + 1
             break

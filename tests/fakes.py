@@ -149,6 +149,8 @@ class FakeReplica:
     """With `tokens`: streams close their connection after this many tokens."""
     hang_after_tokens: int | None = None
     """With `tokens`: streams send nothing more after this many tokens."""
+    tokens_per_chunk: int = 1
+    """With `tokens`: tokens merged into one chunk (vLLM's reader fell behind)."""
     hang_at_end: bool = False
     """With `tokens`: streams send `[DONE]`, then nothing, never ending the response."""
     max_model_len: int | None = None
@@ -381,7 +383,7 @@ class FakeReplica:
                 cut_after=self.cut_after_tokens, hang_after=self.hang_after_tokens,
                 delay_s=self.chunk_delay_s, hang_at_end=self.hang_at_end,
                 before_first=self._first_chunk if self.first_chunk_gate else None,
-                max_model_len=self.max_model_len)
+                max_model_len=self.max_model_len, per_chunk=self.tokens_per_chunk)
         if not body.get("stream"):
             return web.json_response({
                 "id": "cmpl-1", "object": "text_completion", "model": MODEL,

@@ -61,9 +61,9 @@ class Shape(Protocol):
         """A run of whole events as the client gets them."""
         ...
 
-    def end(self, rest: bytes) -> tuple[bytes, bool]:
-        """The last bytes once the replica's stream ended cleanly, and whether the
-        client's stream is complete."""
+    async def end(self, rest: bytes) -> tuple[bytes, bool]:
+        """The last bytes once the replica's stream ended cleanly (or the router ended
+        it), and whether the client's stream is complete."""
         ...
 
 
@@ -81,7 +81,7 @@ class Plain:
     def events(self, events: bytes) -> bytes:
         return versioned(events, self._ex.adapter, self._ex.client_model, self._version)
 
-    def end(self, rest: bytes) -> tuple[bytes, bool]:
+    async def end(self, rest: bytes) -> tuple[bytes, bool]:
         return self.events(rest), True
 
 
@@ -173,7 +173,9 @@ class StreamOwner:
         continuation = False
         while True:
             shape = Tracked(stream, stream.version_of(leg.slot.replica),
-                            continuation=continuation)
+                            continuation=continuation,
+                            detokenize=self._migrator.detokenizer(stream, leg.slot)
+                            if continuation else None)
             try:
                 broken = await self._pump(stream.replied, leg.resp, leg.slot, leg.first,
                                           shape, movable=lambda: self._migrator.movable(
@@ -215,7 +217,7 @@ class StreamOwner:
         except (OSError, TimeoutError, EventTooLarge) as exc:
             # What the client has is whole events; the unfinished one is dropped.
             return self._broken(slot, exc)
-        out, complete = shape.end(events.rest())
+        out, complete = await shape.end(events.rest())
         if complete:
             await replied.body(out, more=False)
             return None

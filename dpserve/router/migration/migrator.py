@@ -22,9 +22,10 @@ their draining replica, which still serves them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -219,6 +220,10 @@ class Migrator:
         state.scan = StopScan.at_seam(state.stops, state.body, state.sent, held,
                                       len(state.ids))
         return True
+
+    def detokenizer(self, stream: Stream, slot: Slot) -> Callable[[list[int]], Awaitable[str]]:
+        """Ids to text, as `slot`'s replica (a continuation's) detokenizes them."""
+        return functools.partial(self._detokenize, stream, slot)
 
     async def _detokenize(self, stream: Stream, slot: Slot, ids: list[int]) -> str:
         data = json.dumps({"tokens": ids}, separators=(",", ":")).encode()

@@ -53,6 +53,21 @@ class Seam:
                 "replayed_tokens": self.replayed_tokens}
 
 
+@dataclass(frozen=True)
+class Trim:
+    """A chunk of several tokens in which the router's stop check found a stop string
+    (`dpserve.router.migration.stops`): vLLM would have stopped at the token that
+    completed it."""
+
+    before: int
+    """Ids of the stream before the chunk's."""
+    ids: list[int]
+    needed: int
+    """Characters of the chunk's text up to the stop string's end."""
+    text: str
+    """The chunk's text as the engine sent it."""
+
+
 @dataclass
 class StreamState:
     """One migratable stream as the client has seen it so far."""
@@ -87,6 +102,8 @@ class StreamState:
     """The router's own stop-string check, from the first seam on."""
     cut: bool = False
     """The router found a stop string: the stream ends with this chunk."""
+    trim: Trim | None = None
+    """A stop string completed in a chunk of several tokens: which (`Trim`)."""
     shown: int = 0
     """Ids the client got before the last seam: a continuation does not send them again
     (those generated again after a rewind), to a client that asked for ids."""
@@ -270,6 +287,7 @@ class StreamState:
         if self.scan is None:
             return choice
         finish, engine_stop = choice.get("finish_reason"), choice.get("stop_reason")
+        finish_text = choice.get("text") or ""
         out, stop = self.scan.feed(choice.get("text") or "", len(choice.get("token_ids") or ()),
                                    finished=finish is not None)
         if stop is None and finish == "stop" and isinstance(engine_stop, str) and \
@@ -279,8 +297,17 @@ class StreamState:
         if stop is not None:
             choice |= {"finish_reason": "stop", "stop_reason": stop}
             self.finish_reason, self.done, self.cut = "stop", True, True
+            ids = choice.get("token_ids") or ()
+            if len(ids) > 1:  # the tokens after the one completing it: not generated
+                self.trim = Trim(len(self.ids) - len(ids), list(ids), self.scan.needed,
+                                 finish_text)
         self.sent.add(out)
         return choice
+
+    def keep_of_chunk(self, trim: Trim, kept: int) -> None:
+        """Only the first `kept` ids of `trim`'s chunk were generated."""
+        del self.ids[trim.before + kept:]
+        self.synced = min(self.synced, len(self.ids))
 
     def drop_last(self) -> None:
         """Replay one id fewer: its text is not a whole character yet."""

@@ -15,9 +15,12 @@ asked with `include_stop_str_in_output` so its text arrives unheld, in step with
 ids, and the router sees every stop string the moment the token that completes it
 comes.
 
-One difference remains: if a chunk carries several tokens (vLLM merges outputs when
-its reader falls behind), a stop found in it counts all of them in `usage`, where
-vLLM would drop those after the one completing the string.
+A chunk may carry several tokens (vLLM merges outputs when its reader falls behind):
+vLLM would have stopped at the token completing the string and counted none after
+it. So where a stop completes in such a chunk, the router learns how many of its
+tokens the string needed (`needed`, then `dpserve.router.migration.tracked`: an
+engine detokenizes the chunk's ids one more at a time) and drops the rest from the
+ids and `usage`.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class StopScan:
     string's length of it) followed by what it did not get yet."""
     unsent: int
     """How many characters at the end of `text` the client did not get yet."""
+    needed: int = 0
+    """Once a stop string matched: the characters of the last piece up to its end."""
 
     @classmethod
     def at_seam(cls, stops: list[str], body: dict[str, Any], sent: SentText, held: str,
@@ -106,6 +111,7 @@ class StopScan:
             matched = self._match(len(piece))
         if matched is not None:
             stop, at = matched
+            self.needed = at + len(stop) - (len(self.text) - len(piece))
             end = at + len(stop) if self.include else at
             start = len(self.text) - self.unsent
             out = self.text[start:max(start, end)]

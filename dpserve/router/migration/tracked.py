@@ -8,16 +8,24 @@ continuation's).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dpserve.router.asgi import Reply, Scope
 from dpserve.router.fleet.pool import Replica
-from dpserve.router.migration.replay import StreamState
+from dpserve.router.migration.replay import StreamState, Trim
 from dpserve.router.routing.policies import RequestInfo
+from dpserve.router.upstream.connection import ResponseTooLarge
 
 _DONE = b"data: [DONE]"
+_REPLACEMENT = "\ufffd"
+
+log = logging.getLogger("dpserve.migration")
+
+Detokenize = Callable[[list[int]], Awaitable[str]]
+"""The text of some ids, as the replica of a continuation detokenizes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +88,17 @@ class Tracked:
     client's kind (`StreamState.client_chunk`).
     """
 
-    __slots__ = ("_continuation", "_stream", "_version")
+    __slots__ = ("_continuation", "_detokenize", "_held", "_stream", "_version")
 
-    def __init__(self, stream: Stream, version: str | None, *, continuation: bool) -> None:
+    def __init__(self, stream: Stream, version: str | None, *, continuation: bool,
+                 detokenize: Detokenize | None = None) -> None:
         self._stream = stream
         self._version = version
         self._continuation = continuation
+        self._detokenize = detokenize
+        self._held: dict[str, Any] | None = None
+        """The chunk that ended the stream at a stop string found among several
+        tokens: written once it is known how many of them count (`end`)."""
 
     @property
     def cut(self) -> bool:
@@ -98,12 +111,57 @@ class Tracked:
             return self._parse_each(events)
         return stream.finish(stream.state.client_block(events), self._version)
 
-    def end(self, rest: bytes) -> tuple[bytes, bool]:
-        """The last bytes for the client once the replica's stream ended cleanly, and
-        whether the client's stream is complete (else the replica ended it too soon)."""
+    async def end(self, rest: bytes) -> tuple[bytes, bool]:
+        """The last bytes for the client once the replica's stream ended cleanly (or
+        the router ended it), and whether the client's stream is complete (else the
+        replica ended it too soon)."""
         state = self._stream.state
         out = self.events(rest) if rest and not state.cut else b""
+        if self._held is not None:
+            out += await self._settle(self._held)
         return out, state.closed
+
+    async def _settle(self, chunk: dict[str, Any]) -> bytes:
+        """The stream's last chunk and ending, counting only the tokens of its chunk up
+        to the one that completed the stop string (as far as they can be known)."""
+        stream, state = self._stream, self._stream.state
+        trim = state.trim
+        self._held = state.trim = None
+        if trim is not None:
+            kept = await self._tokens_needed(trim)
+            if kept < len(trim.ids):
+                state.keep_of_chunk(trim, kept)
+                for choice in chunk.get("choices") or ():
+                    if isinstance(choice.get("token_ids"), list):
+                        choice["token_ids"] = choice["token_ids"][:len(choice["token_ids"])
+                                                                   - len(trim.ids) + kept]
+        data = json.dumps(chunk, separators=(",", ":")).encode()
+        state.closed = True
+        return b"data: " + stream.finish(data, self._version) + b"\n\n" + stream.ending()
+
+    async def _tokens_needed(self, trim: Trim) -> int:
+        """How many of `trim`'s ids the stop string needed: the fewest whose text,
+        detokenized after the ids before them, holds the chunk's text up to the
+        string's end. All of them where that cannot be known."""
+        if self._detokenize is None:
+            return len(trim.ids)
+        state = self._stream.state
+        context = [*(state.prompt_ids or ()), *state.ids[:trim.before]]
+        want = trim.text[:trim.needed]
+        try:
+            base = await self._detokenize(context)
+            for kept in range(1, len(trim.ids)):
+                text = await self._detokenize([*context, *trim.ids[:kept]])
+                added = text[len(base):] if text.startswith(base) else None
+                if added is None:
+                    break
+                if len(added) >= len(want) and not added.endswith(_REPLACEMENT):
+                    return kept if added.startswith(want) else len(trim.ids)
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError,
+                ResponseTooLarge) as exc:
+            log.warning("request %s: cannot count the tokens up to its stop string (%s); "
+                        "usage counts the whole last chunk", self._stream.request_id, exc)
+        return len(trim.ids)
 
     def _parse_each(self, events: bytes) -> bytes:
         stream = self._stream
@@ -124,6 +182,9 @@ class Tracked:
                 out.append(event + b"\n\n")
                 continue
             mine = state.client_chunk(chunk, continuation=True)
+            if state.cut and state.trim is not None and mine is not None:
+                self._held = mine  # its token count first (`end`)
+                break
             data = event[6:] if mine is None else json.dumps(mine, separators=(",", ":")).encode()
             out.append(b"data: " + stream.finish(data, self._version) + b"\n\n")
             if state.cut:  # the router's stop: the engine's rest is not wanted

@@ -106,3 +106,26 @@ async def test_a_chat_stream_stops_across_the_seam_as_chat_chunks(fake_replicas)
     assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == (
         "stop", "uié")
     assert usage(events)["completion_tokens"] == tokens
+
+
+@pytest.mark.parametrize("per_chunk", [2, 3, 5])
+@pytest.mark.parametrize("ids", [False, True], ids=["", "token-ids"])
+async def test_usage_counts_only_the_tokens_up_to_a_stop_found_among_merged_tokens(
+        fake_replicas, per_chunk, ids):
+    """The continuation's engine merged several tokens into the chunk where the stop
+    string that straddles the seam completes: vLLM would have stopped at the token
+    completing it, so the router counts (and shows) none after it."""
+    body = COMPLETION | STRADDLING | ({"return_token_ids": True} if ids else {})
+    a = await fake_replicas("a", tokens=True, cut_after_tokens=7)
+    b = await fake_replicas("b", tokens=True, tokens_per_chunk=per_chunk)
+    async with running_router([a.url, b.url], policy="round-robin") as (base, router):
+        await all_ready(router, 2)
+        events = await stream(base, "/v1/completions", body)
+    want, stop, tokens = expected_stream(body, 12)
+    assert text(events) == want
+    assert final(events)["choices"][0]["stop_reason"] == stop
+    assert usage(events)["completion_tokens"] == tokens
+    if ids:
+        got = [t for e in events if isinstance(e, dict) for c in e.get("choices", [])
+               for t in c.get("token_ids") or ()]
+        assert got == generate(prompt_ids(COMPLETION), tokens)
