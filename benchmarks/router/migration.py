@@ -130,7 +130,7 @@ async def exactness(f: Fleet, args: argparse.Namespace) -> list[str]:
     rows = []
     r1 = f.pool.get("r1")
     async with httpx.AsyncClient(timeout=120) as c:
-        for route in ROUTES:
+        for route in args.routes:
             for k in args.ks:
                 payload = body(route, f"Story {k}: once upon a time", args.max_tokens)
                 reference = await stream(c, f.url, route, payload)
@@ -160,6 +160,9 @@ async def exactness(f: Fleet, args: argparse.Namespace) -> list[str]:
                     print(rows[-1], flush=True)
                 rows.append(await not_streamed(f, c, route, k, payload))
                 print(rows[-1], flush=True)
+                if route == "chat":  # without a limit: to the end of the context
+                    rows.append(await not_streamed(f, c, route, k, payload, limit=False))
+                    print(rows[-1], flush=True)
     return rows
 
 
@@ -174,12 +177,15 @@ async def generated(c: httpx.AsyncClient, url: str) -> float:
 
 
 async def not_streamed(f: Fleet, c: httpx.AsyncClient, route: str, k: int,
-                       payload: dict[str, Any]) -> str:
+                       payload: dict[str, Any], *, limit: bool = True) -> str:
     """The request not streamed, r0 killed once its engine generated k more tokens
-    (polled every 5 ms): the whole answer against the uninterrupted one."""
-    label = route + "-json"
+    (polled every 5 ms): the whole answer against the uninterrupted one. Without
+    `limit`, a chat without `max_tokens` (it runs to the end of the context)."""
+    label = route + "-json" + ("" if limit else "-nolimit")
     # Longer than the streams: the kill must land before the whole answer is done.
     payload = payload | {"stream": False, "max_tokens": min(900, 4 * payload["max_tokens"])}
+    if not limit:
+        del payload["max_tokens"]
     reference = (await c.post(f.url + ROUTES[route], json=payload)).json()
     r0, r1 = f.pool.get("r0"), f.pool.get("r1")
     f.pool.set_state(r1, ReplicaState.DRAINING, "benchmark: pin to r0")
@@ -381,11 +387,15 @@ def main() -> int:
                    help="skip the exactness runs with a stop string")
     p.add_argument("--no-exactness", dest="exactness", action="store_false",
                    help="skip section 1 (the kills at k chunks)")
+    p.add_argument("--routes", type=lambda s: s.split(","), default=list(ROUTES),
+                   help="section 1's routes, comma-separated: completions, chat")
     p.add_argument("--trials", type=int, default=1,
                    help="times sections 2 and 3 run, one after the other")
     args = p.parse_args()
     if not Path(args.model, "config.json").is_file():
         p.error(f"--model {args.model}: no built model there (run `make model`)")
+    if unknown := [r for r in args.routes if r not in ROUTES]:
+        p.error(f"--routes: unknown {', '.join(unknown)} (known: {', '.join(ROUTES)})")
     if any(k < 1 or k >= args.max_tokens for k in args.ks):
         p.error("--ks: each k must be in 1..max-tokens - 1")
     return asyncio.run(run(args))

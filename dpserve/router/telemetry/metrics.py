@@ -103,8 +103,9 @@ class RouterMetrics:
         )
         self.time_to_first_byte = Histogram(
             "dpserve_time_to_first_byte_seconds",
-            "Time from receiving a request to sending the first byte of its response body "
-            "(for streams: roughly time to first token).",
+            "Time from receiving a request to the first byte of its answer from a replica "
+            "(for streams, and completions assembled from one: roughly time to first "
+            "token).",
             ["route"],
             buckets=FIRST_BYTE_BUCKETS,
             registry=self.registry,
