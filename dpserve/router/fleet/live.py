@@ -67,11 +67,14 @@ class LiveStreams:
         self.peers: Peers | None = None
         """Other workers' streams, counted and evicted with this worker's."""
         self._heard: dict[str, float] = {}
-        """Per replica: when a stream last got a chunk from it (`time.monotonic`)."""
+        """Per replica with a stream registered here: when a stream last got a chunk
+        from it (`time.monotonic`). Only a registered stream waits for its first chunk
+        and asks, so nothing else is kept: the map holds no more replicas than `_on`."""
 
     def heard(self, replica_id: str) -> None:
         """A stream got a chunk from `replica_id`: it is working."""
-        self._heard[replica_id] = time.monotonic()
+        if replica_id in self._on:
+            self._heard[replica_id] = time.monotonic()
 
     def last_heard(self, replica_id: str) -> float:
         """When a stream of this worker last got a chunk from `replica_id` (0: never)."""
@@ -91,6 +94,7 @@ class LiveStreams:
             del streams[resp]
             if not streams:
                 del self._on[replica_id]
+                self._heard.pop(replica_id, None)
 
     def replicas(self) -> list[str]:
         """The replicas with a stream running here."""
