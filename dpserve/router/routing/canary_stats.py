@@ -1,0 +1,105 @@
+"""Two intervals a canary verdict rests on, both distribution-free or close to it, both
+honest on few samples. Pure functions, no I/O.
+
+- `shift`: how much slower one sample of latencies is than another, as a ratio, with
+  a confidence interval: the Hodges-Lehmann estimate of the shift in log latency (the
+  median of all pairwise differences) and the interval from inverting the
+  Wilcoxon-Mann-Whitney rank-sum test. It assumes nothing about the shape of the
+  distribution (latencies are heavy-tailed and multi-modal) and one slow outlier
+  moves it by one pair in n*m, where a p90 moves with it. **Stratified**: pairs are
+  formed only within a stratum (requests of similar size, sent in the same few
+  seconds), so a burst or a long prompt that lands on one side more than the other is
+  not taken for a difference between the sides; the test is van Elteren's sum of
+  per-stratum rank sums, with its null variance.
+- `rate_difference`: the difference of two error rates with Newcombe's hybrid score
+  interval (method 10 of Newcombe 1998), built from two Wilson intervals: right
+  coverage with 0 errors on either side, where the Wald interval collapses to a point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+MAX_PAIRS = 4_000_000
+"""Pairs compared at most (32 MB of float64). Beyond it each stratum keeps an even share
+of its pairs, drawn at random: the estimate and interval are then those of a random
+subsample (looser, never wrong)."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    estimate: float
+    low: float
+    high: float
+
+
+def z_for(alpha: float) -> float:
+    """The normal quantile for a two-sided interval missing with probability `alpha`."""
+    return NormalDist().inv_cdf(1 - alpha / 2)
+
+
+def shift(canary: Iterable[tuple[Hashable, float]], baseline: Iterable[tuple[Hashable, float]],
+          z: float, *, seed: int = 0) -> Interval | None:
+    """The ratio by which `canary`'s values exceed `baseline`'s, with a two-sided
+    interval at normal quantile `z`; None when no stratum holds both sides. Each value
+    is `(stratum, seconds)`, seconds > 0."""
+    left: dict[Hashable, list[float]] = defaultdict(list)
+    right: dict[Hashable, list[float]] = defaultdict(list)
+    for key, value in canary:
+        left[key].append(math.log(value))
+    for key, value in baseline:
+        right[key].append(math.log(value))
+    shared = [k for k in left if k in right]
+    pairs = sum(len(left[k]) * len(right[k]) for k in shared)
+    if not pairs:
+        return None
+    keep = min(1.0, MAX_PAIRS / pairs)
+    rng = np.random.default_rng(seed)
+    diffs, mean, var = [], 0.0, 0.0
+    for k in shared:
+        x, y = np.asarray(left[k]), np.asarray(right[k])
+        d = np.subtract.outer(x, y).ravel()
+        if keep < 1.0:
+            d = rng.choice(d, size=max(1, int(len(d) * keep)), replace=False)
+        diffs.append(d)
+        n, m = len(x), len(y)
+        mean += n * m / 2  # the null moments of this stratum's Mann-Whitney U
+        var += n * m * (n + m + 1) / 12
+    d = np.concatenate(diffs)
+    total = len(d)
+    # The interval's ends are the k-th smallest and largest of the n*m differences;
+    # of a random subsample of them, the same fraction of the way in.
+    k = math.floor((mean - z * math.sqrt(var)) * total / pairs)
+    estimate = float(np.median(d))
+    if k < 1:
+        return Interval(math.exp(estimate), 0.0, math.inf)
+    lo, hi = np.partition(d, (k - 1, total - k))[[k - 1, total - k]]
+    return Interval(math.exp(estimate), math.exp(float(lo)), math.exp(float(hi)))
+
+
+def wilson(errors: int, n: int, z: float) -> tuple[float, float]:
+    """Wilson's score interval for a rate of `errors` in `n` (n > 0)."""
+    p = errors / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rate_difference(errors: int, n: int, base_errors: int, base_n: int,
+                    z: float) -> Interval | None:
+    """`errors/n - base_errors/base_n` with Newcombe's hybrid score interval at normal
+    quantile `z`; None when either side has no request."""
+    if n <= 0 or base_n <= 0:
+        return None
+    p, q = errors / n, base_errors / base_n
+    l1, u1 = wilson(errors, n, z)
+    l2, u2 = wilson(base_errors, base_n, z)
+    low = p - q - math.sqrt((p - l1) ** 2 + (u2 - q) ** 2)
+    high = p - q + math.sqrt((u1 - p) ** 2 + (q - l2) ** 2)
+    return Interval(p - q, low, high)
