@@ -130,7 +130,7 @@ def parse_request(
         raise RouterError(400, "'stream' must be a boolean", param="stream")
     check_model(model, known_models)
     info = RequestInfo(
-        route=route, model=model,
+        route=route, model=model, size=len(body),
         session_id=session_id(headers, payload) if "session_id" in keys else None,
         prefix=prompt_prefix(payload, prefix_chars) if "prefix" in keys else None,
     )

@@ -81,11 +81,13 @@ class Slot:
     """
 
     __slots__ = ("_dispatcher", "adapter", "first_byte_s", "held", "outcome", "permit",
-                 "replica", "started")
+                 "replica", "size", "started")
 
     def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, size: int = 0) -> None:
         self._dispatcher = dispatcher
+        self.size = size
+        """The request body's bytes."""
         self.replica = replica
         self.permit = permit
         self.adapter = adapter
@@ -207,7 +209,7 @@ class Dispatcher:
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:
             raise self._nothing_open(tried)
-        return Slot(self, replica, permit, adapter)
+        return Slot(self, replica, permit, adapter, request.size)
 
     async def _await_open(self, tried: Collection[str], adapter: str | None) -> None:
         """Wait in the admission queue for a replica to be open to this request (its
@@ -237,7 +239,7 @@ class Dispatcher:
         now = self._clock()
         self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
         if self.canary is not None:
-            self.canary.record(slot.replica.id, slot.outcome, slot.first_byte_s)
+            self.canary.record(slot.replica.id, slot.outcome, slot.first_byte_s, slot.size)
         if slot.outcome is Outcome.SUCCESS:
             self._mean_service_s = ewma(self._mean_service_s, now - slot.started)
         self.queue.notify()

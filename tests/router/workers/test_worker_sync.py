@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from dpserve.router.fleet.breaker import Outcome
 from dpserve.router.fleet.live import Moving
 from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.http.app import Router, build_app
-from dpserve.router.routing.canary import CanarySplit
+from dpserve.router.routing.canary import CanarySplit, stratum
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.workers.follower import Follower
 from dpserve.router.workers.leader import Leader, answer
@@ -124,13 +125,17 @@ async def test_canary_outcomes_seen_by_the_follower_reach_the_leaders_comparison
         await leader.settled()
         mirrored = follow.dispatcher.canary
         assert mirrored is not None and mirrored.spec() == split.spec()
+        assert mirrored.opened == split.opened  # one window, one clock: the same strata
         mirrored.record("r0", Outcome.SERVER_ERROR, None)
-        mirrored.record("r1", Outcome.SUCCESS, 0.25)
+        mirrored.record("r1", Outcome.SUCCESS, 0.25, 5000)
         mirrored.record("r2", Outcome.SUCCESS, 0.5)
         await wait_for(lambda: (split.canary.requests, split.baseline.requests,
                                 split.others.requests) == (1, 1, 1),
                        "the follower's samples on the leader")
         assert split.canary.errors == 1 and split.baseline.first_byte_s == [0.25]
+        [got] = split.baseline.strata  # its size, and a time block of the window so far
+        assert got % 64 == stratum(0, 5000) and got <= stratum(
+            time.monotonic() - split.opened, 5000)
         assert split.others.first_byte_s == [0.5]
 
 

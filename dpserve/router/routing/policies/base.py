@@ -22,6 +22,8 @@ class RequestInfo:
     tokens: tuple[int, ...] | None = None
     """The prompt's token ids as the engine will see them (chat template applied), for
     routing on KV events; None when not computed or not known exactly."""
+    size: int = 0
+    """The request body's length in bytes (a canary compares TTFTs of like sizes)."""
     adapter: str | None = None
     """The engine name of the LoRA adapter version the request runs on
     (`NAME@VERSION`); only replicas that have it loaded are candidates."""
