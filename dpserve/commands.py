@@ -143,27 +143,41 @@ def _add_deploy(sub: Subparsers) -> None:
     gate.add_argument("--gate-min-score", type=float,
                       help="roll back unless the new version scores at least this")
     gate.add_argument("--gate-vs-current", action="store_true", default=None,
-                      help="roll back if the new version scores below the current one by "
-                           "more than --gate-margin")
+                      help="roll back if the new version scores surely below the current "
+                           "one (95%% confidence, paired per example) by more than "
+                           "--gate-margin and the spread of repeated runs")
     gate.add_argument("--gate-margin", type=float, help="for --gate-vs-current (default 0)")
-    canary = deploy.add_argument_group("canary traffic (the first replica updated serves a "
-                                       "share of requests, then is compared with a baseline: "
-                                       "the next replica, its cache reset alike)")
+    gate.add_argument("--gate-repeats", type=int, metavar="N",
+                      help="runs of the eval set on each version (default 2): their spread "
+                           "is the score's own noise")
+    canary = deploy.add_argument_group(
+        "canary traffic (the first replica updated serves a share of requests and is "
+        "compared with a baseline, a replica on the current version with its cache reset "
+        "alike: TTFT and errors, each with a confidence interval)")
     canary.add_argument("--canary-weight", type=float, metavar="P",
                         help="percent of new requests sent to it, 0 < P < 100")
     canary.add_argument("--canary-duration-s", type=float, metavar="D",
-                        help="for this long (default 60)")
-    canary.add_argument("--canary-max-error-rate-delta", type=float,
-                        help="roll back if its error rate exceeds its baseline's by more "
-                             "(default 0.01: one point)")
+                        help="the window (default 60); a look every D/4 s, closing it at "
+                             "the first sure verdict")
+    canary.add_argument("--canary-max-duration-s", type=float, metavar="S",
+                        help="while unsure, go on up to S s (default 2 x D)")
     canary.add_argument("--canary-max-ttft-ratio", type=float,
-                        help="roll back if its TTFT p50 or p90 exceeds its baseline's by this "
-                             "factor (default 1.5) and by more than --canary-ttft-slack-ms")
+                        help="roll back if its TTFT is surely more than this many times its "
+                             "baseline's (default 1.5); pass once surely not")
     canary.add_argument("--canary-ttft-slack-ms", type=float, metavar="MS",
                         help="a TTFT this close to its baseline's is never a regression, "
                              "whatever the ratio (default 20)")
+    canary.add_argument("--canary-max-error-rate-delta", type=float,
+                        help="roll back if its error rate is surely above its baseline's, "
+                             "by more than this (default 0.02: two points); pass once "
+                             "surely not")
     canary.add_argument("--canary-min-requests", type=int,
-                        help="roll back if it served fewer requests (default 10)")
+                        help="answers each side needs before any verdict (default 30)")
+    canary.add_argument("--canary-confidence", type=float, metavar="C",
+                        help="the verdict's confidence over the whole window, all looks "
+                             "included (default 0.95)")
+    canary.add_argument("--canary-inconclusive", choices=("rollback", "promote"),
+                        help="what a window still unsure at its end does (default rollback)")
     deploy.add_argument("--no-mixed-versions", action="store_true", default=None,
                         help="no response may begin on the old weights and end on the new: "
                              "pause each replica only once its requests have ended "

@@ -171,9 +171,27 @@ def _canary_line(c: dict[str, Any]) -> str:
             f"{c['weight']:g}%: {side(c['canary'])}"
             + (f" · baseline {b['replica']} at {b['weight']:g}%: {side(b)}" if b else "")
             + (f" · others {side(c['others'])}" if c["others"]["requests"] or not b else ""))
-    if "passed" in c:
-        line += "; " + ("passed" if c["passed"] else f"failed: {c['reason']}")
+    verdict = c.get("verdict")
+    if verdict is not None and "outcome" not in c:
+        line += f"; look {c['looks']}: {verdict_line(verdict)}"
+    if "outcome" in c:
+        line += f"; {c['outcome']}" + (
+            f" ({'promoted' if c['passed'] else 'rolled back'})"
+            if c["outcome"] == "inconclusive" else "") + f": {c['reason']}"
     return line
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """A look's verdict in a few words: `unsure (TTFT 1.12x [0.91-1.40], errors +0.0
+    points [-1.2..+1.3])`."""
+    t, e = v["ttft_ratio"], v["error_rate_difference"]
+    ttft = ("TTFT ?" if t["estimate"] is None else
+            f"TTFT {t['estimate']:.2f}x [{t['low']:.2f}-"
+            f"{'inf' if t['high'] is None else format(t['high'], '.2f')}]")
+    errors = ("errors ?" if e["estimate"] is None else
+              f"errors {100 * e['estimate']:+.1f} points [{100 * e['low']:+.1f}.."
+              f"{100 * e['high']:+.1f}]")
+    return f"{v['outcome']} ({ttft}, {errors})"
 
 
 def _quality_line(q: dict[str, Any]) -> str:
@@ -182,6 +200,11 @@ def _quality_line(q: dict[str, Any]) -> str:
         f"{who} {q[who][metric]:.4g} {metric} ({q[who]['exact_match']:.0%} exact, "
         f"mean log-prob {q[who]['mean_logprob']:.3f}, {q[who]['examples']} examples)"
         for who in ("candidate", "current") if q.get(who))
+    c = q.get("comparison")
+    if c:
+        line += (f"; difference {c['difference']:+.4g} ({c['confidence']:.0%} "
+                 f"{c['low']:+.4g}..{c['high']:+.4g}, runs spread {c['spread']:.4g} over "
+                 f"{c['repeats']})")
     if "passed" in q:
         line += "; gate " + ("passed" if q["passed"] else "failed")
     return line
@@ -302,6 +325,8 @@ async def run_status(client: AdminClient, out: TextIO) -> int:
         print(f"last deploy {last['id']}: {last['state']}, {last['checkpoint']}"
               + (f" ({last['version']})" if last["version"] else "")
               + (f": {last['error']}" if last["error"] else ""), file=out)
+        if last.get("canary") and "canary" in last["canary"]:
+            print("  " + _canary_line(last["canary"]), file=out)
         if last.get("quality"):
             print("  " + _quality_line(last["quality"]), file=out)
     out.flush()
@@ -329,10 +354,11 @@ def run_admin_command(ns: argparse.Namespace, out: TextIO | None = None) -> int:
             options = {name: getattr(ns, name) for name in
                        ("batch", "canary_prompt", "drain_wait_s", "name", "drop_adapters",
                         "no_mixed_versions", "gate_metric", "gate_min_score",
-                        "gate_vs_current", "gate_margin", "canary_weight",
+                        "gate_vs_current", "gate_margin", "gate_repeats", "canary_weight",
                         "canary_duration_s", "canary_max_error_rate_delta",
                         "canary_max_ttft_ratio", "canary_ttft_slack_ms",
-                        "canary_min_requests")
+                        "canary_min_requests", "canary_max_duration_s",
+                        "canary_confidence", "canary_inconclusive")
                        if getattr(ns, name, None) is not None}
             if eval_data is not None:
                 options["eval_data"] = eval_data

@@ -252,7 +252,8 @@ class Convergence:
         if self._traffic is not None and not rollback and replica.state is ReplicaState.READY:
             traffic, self._traffic = self._traffic, None  # once, on the first replica
             await run_canary(traffic, replica, self.options, self.progress,
-                             ready=self.pool.ready(), reset_cache=self._reset_cache)
+                             ready=self.pool.ready(), reset_cache=self._reset_cache,
+                             metrics=self._metrics)
 
     async def _reset_cache(self, replica: Replica) -> None:
         """A canary's baseline starts cold like the canary (`canary_phase`)."""
@@ -288,31 +289,38 @@ class Convergence:
         record: dict[str, object] = {"eval_data": gate.eval_data, "metric": gate.metric}
         self.progress.quality = record
         t0 = time.monotonic()
-        candidate = await quality.score(self.client, replica.url, model, gate.cases)
-        record["candidate"] = candidate.to_json()
-        current = None
+        candidate = [await quality.score(self.client, replica.url, model, gate.cases)
+                     for _ in range(gate.repeats)]
+        record["candidate"] = quality.Score.mean(candidate).to_json()
+        current = comparison = None
         if gate.vs_current:
             on_current = [r for r in self.pool.ready()
                           if r.weight_version == self.progress.previous_version]
             if not on_current:
                 raise EngineAdminError("gate", "no ready replica serves the current version "
                                                "to compare the new one with")
-            current = await quality.score(self.client, on_current[0].url,
-                                          canary_model(on_current[0]), gate.cases)
-            record["current"] = current.to_json()
+            current = [await quality.score(self.client, on_current[0].url,
+                                           canary_model(on_current[0]), gate.cases)
+                       for _ in range(gate.repeats)]
+            record["current"] = quality.Score.mean(current).to_json()
+            comparison = gate.compare(candidate, current)
+            record["comparison"] = comparison.to_json(gate.margin)
         if self._metrics is not None:
             self._metrics.deploy_eval_score.clear()
-            for of, scored in (("candidate", candidate), ("current", current)):
+            for of, runs in (("candidate", candidate), ("current", current)):
                 for metric in quality.METRICS:
-                    if scored is not None:
+                    if runs is not None:
                         self._metrics.deploy_eval_score.labels(metric, of).set(
-                            scored.metric(metric))
-        reason = gate.verdict(candidate, current) if gate.gates else None
+                            quality.Score.mean(runs).metric(metric))
+        reason = gate.verdict(candidate, comparison) if gate.gates else None
         record["seconds"] = round(time.monotonic() - t0, 3)
         if gate.gates:
             record["passed"] = reason is None
-        self.progress.event(f"{replica.id}: eval {candidate.describe(gate.metric)}"
-                            + (f", current {current.describe(gate.metric)}" if current else "")
+        scored = quality.Score.mean(candidate)
+        self.progress.event(f"{replica.id}: eval {scored.describe(gate.metric)}"
+                            + (f", current {quality.Score.mean(current).describe(gate.metric)}"
+                               if current else "")
+                            + (f", difference {comparison.describe()}" if comparison else "")
                             + ("" if not gate.gates else ": passed" if reason is None
                                else ": failed"))
         if reason is not None:

@@ -28,18 +28,22 @@ MAX_EVENTS = 200
 MAX_WAIT_S = 86_400.0
 """Longest accepted wait (drain, readiness) of one deploy: a day."""
 GATE_METRICS = ("exact_match", "mean_logprob")
+INCONCLUSIVE = ("rollback", "promote")
 NUMBERS: tuple[tuple[str, type, float, float, bool], ...] = (
     ("batch", int, 1, 10_000, False),
     ("drain_wait_s", float, 0.0, MAX_WAIT_S, False),
     ("ready_timeout_s", float, 0.0, MAX_WAIT_S, False),
     ("gate_min_score", float, -1e6, 1e6, False),
     ("gate_margin", float, 0.0, 1e6, False),
+    ("gate_repeats", int, 1, 10, False),
     ("canary_weight", float, 0.0, 100.0, True),
     ("canary_duration_s", float, 0.0, MAX_WAIT_S, True),
     ("canary_max_error_rate_delta", float, 0.0, 1.0, False),
     ("canary_max_ttft_ratio", float, 1.0, 1e6, False),
     ("canary_ttft_slack_ms", float, 0.0, 1e6, False),
     ("canary_min_requests", int, 1, 1_000_000, False),
+    ("canary_max_duration_s", float, 0.0, MAX_WAIT_S, True),
+    ("canary_confidence", float, 0.5, 1.0, True),
 )
 """Numeric fields of a deploy: type, bounds, whether the bounds are excluded. Every
 value must be finite: they become timeouts, loop counts and thresholds."""
@@ -48,9 +52,11 @@ NO_MIXED_DRAIN_S = 600.0
 may take to finish before the deploy gives up on it."""
 DEPLOY_FIELDS = ("checkpoint", "batch", "canary_prompt", "drain_wait_s", "ready_timeout_s",
                  "name", "drop_adapters", "no_mixed_versions", "eval_data", "gate_metric",
-                 "gate_min_score", "gate_vs_current", "gate_margin", "canary_weight",
+                 "gate_min_score", "gate_vs_current", "gate_margin", "gate_repeats",
+                 "canary_weight",
                  "canary_duration_s", "canary_max_error_rate_delta", "canary_max_ttft_ratio",
-                 "canary_ttft_slack_ms", "canary_min_requests")
+                 "canary_ttft_slack_ms", "canary_min_requests", "canary_max_duration_s",
+                 "canary_confidence", "canary_inconclusive")
 """Fields a `POST /admin/deploy` body may hold."""
 
 
@@ -80,9 +86,11 @@ class DeployOptions:
     gate_min_score: float | None = None
     """Roll back unless the new version scores at least this (the gate's metric)."""
     gate_vs_current: bool = False
-    """Roll back if the new version scores below the current one by more than
-    `gate_margin`."""
+    """Roll back if the new version scores surely below the current one by more than
+    `gate_margin` and the spread of repeated runs (`rollout.gate_verdict`)."""
     gate_margin: float = 0.0
+    gate_repeats: int = 2
+    """Runs of the eval set on each version."""
 
     def check_fleet(self, replicas: int, *, adapter: bool) -> None:
         """Refused(400) for options a fleet of `replicas` cannot honour."""
@@ -100,14 +108,25 @@ class DeployOptions:
 
     canary_weight: float | None = None
     """Percent of new requests sent to the first updated replica, once it serves, for
-    `canary_duration_s`; then it is compared with a baseline replica (`router.canary`)."""
+    `canary_duration_s`, while it is compared with a baseline replica
+    (`router.canary_verdict`): a look every quarter of the duration, the window closing
+    at the first sure verdict."""
     canary_duration_s: float = 60.0
-    canary_max_error_rate_delta: float = 0.01
+    canary_max_duration_s: float | None = None
+    """While the verdict is unsure the window goes on up to this long (default: twice
+    `canary_duration_s`); unsure then is `inconclusive`."""
+    canary_max_error_rate_delta: float = 0.02
     canary_max_ttft_ratio: float = 1.5
     canary_ttft_slack_ms: float = 20.0
     """TTFT within this many ms of the baseline's is never a regression, whatever the
     ratio."""
-    canary_min_requests: int = 10
+    canary_min_requests: int = 30
+    """Answers each side needs before any verdict."""
+    canary_confidence: float = 0.95
+    """The chance, over a whole window, that a canary on one side of a threshold is not
+    judged on the other."""
+    canary_inconclusive: str = "rollback"
+    """What a window that ends unsure does: `rollback` or `promote`."""
 
     @property
     def drain_deadline_s(self) -> float:
@@ -137,6 +156,12 @@ class DeployOptions:
                 raise Refused(400, "canary_prompt must be a non-empty string of at most "
                                    "4096 characters", param="canary_prompt")
             values["canary_prompt"] = prompt
+        means = body.get("canary_inconclusive")
+        if means is not None:
+            if means not in INCONCLUSIVE:
+                raise Refused(400, "canary_inconclusive must be rollback or promote",
+                              param="canary_inconclusive")
+            values["canary_inconclusive"] = means
         for flag in ("drop_adapters", "no_mixed_versions", "gate_vs_current"):
             value = body.get(flag)
             if value is not None:
@@ -158,7 +183,8 @@ class DeployOptions:
                 raise Refused(400, "eval_data must be an absolute path", param="eval_data")
             values["eval_data"] = path
         gating = ("gate_min_score" in values or values.get("gate_vs_current")
-                  or "gate_margin" in values or "gate_metric" in values)
+                  or "gate_margin" in values or "gate_metric" in values
+                  or "gate_repeats" in values)
         if gating and "eval_data" not in values:
             raise Refused(400, "the quality gate needs an eval set: give eval_data (--eval)",
                           param="eval_data")

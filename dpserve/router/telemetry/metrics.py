@@ -221,6 +221,22 @@ class RouterMetrics:
             ["metric", "of"],
             registry=self.registry,
         )
+        self.canary_windows = Counter(
+            "dpserve_canary_windows",
+            "Deploy canary windows, by verdict (passed, failed, inconclusive) and what the "
+            "deploy did (promoted, rolled_back).",
+            ["verdict", "action"],
+            registry=self.registry,
+        )
+        self.canary_last = Gauge(
+            "dpserve_canary_last",
+            "The last canary window's verdict: `check` ttft_ratio (the canary's TTFT over "
+            "its baseline's) or error_rate_difference, `bound` estimate, low or high (the "
+            "interval at the window's confidence), or `check` answers by `bound` canary or "
+            "baseline (how many were compared).",
+            ["check", "bound"],
+            registry=self.registry,
+        )
         self.replica_reloads = Counter(
             "dpserve_replica_reloads",
             "Weight hot-loads of one replica (pause, reload, reset cache, canary, resume), "
