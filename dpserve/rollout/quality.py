@@ -12,6 +12,10 @@ prompt (rendered by the engine's chat template, `POST /tokenize` with `messages`
   the prompt (`prompt_logprobs`), so that free text, where exact match says little,
   is still scored.
 
+Each version is scored `repeats` times; against the current version the gate compares
+per example and fails only when the candidate is surely worse than the margin and the
+runs' own spread allow (`gate_verdict`).
+
 The eval file is named by an admin request and read by the router: it must resolve inside
 the checkpoint root and is read as a checkpoint's files are (`_read_eval_file`): no
 symbolic link, no FIFO or device, at most `MAX_EVAL_BYTES`.
@@ -28,7 +32,8 @@ import asyncio
 import errno
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ import httpx
 from dpserve.checkpoint import CheckpointError
 from dpserve.records import DataError, open_error, parse_records, read_regular
 from dpserve.rollout.engine_admin import EngineAdminError
+from dpserve.rollout.gate_verdict import Comparison, compare
 from dpserve.rollout.progress import GATE_METRICS as METRICS
 from dpserve.rollout.progress import DeployOptions
 from dpserve.rollout.snapshot import open_dir_under
@@ -128,9 +134,23 @@ class Score:
     exact_match: float
     mean_logprob: float
     examples: int
+    hits: tuple[float, ...] = field(default=(), repr=False)
+    """Per example, in the eval set's order: 1.0 for an exact match, else 0.0..."""
+    logprobs: tuple[float, ...] = field(default=(), repr=False)
+    """...and the mean log-probability per token of its expected answer."""
 
     def metric(self, name: str) -> float:
         return self.exact_match if name == "exact_match" else self.mean_logprob
+
+    def per_example(self, name: str) -> tuple[float, ...]:
+        return self.hits if name == "exact_match" else self.logprobs
+
+    @classmethod
+    def mean(cls, runs: Sequence[Score]) -> Score:
+        """The runs of one eval set averaged: what the record shows of repeated runs."""
+        n = len(runs)
+        return cls(sum(r.exact_match for r in runs) / n, sum(r.mean_logprob for r in runs) / n,
+                   runs[0].examples)
 
     def to_json(self) -> dict[str, Any]:
         return {"exact_match": round(self.exact_match, 4),
@@ -148,24 +168,32 @@ class Gate:
     min_score: float | None = None
     vs_current: bool = False
     margin: float = 0.0
+    repeats: int = 2
+    """Runs of the eval set on each version: their spread is the score's own noise."""
 
     @property
     def gates(self) -> bool:
         """Whether a score can stop the deploy (else the scores are only recorded)."""
         return self.min_score is not None or self.vs_current
 
-    def verdict(self, candidate: Score, current: Score | None) -> str | None:
-        """Why the candidate fails the gate, or None."""
-        got = candidate.metric(self.metric)
+    def compare(self, candidate: Sequence[Score], current: Sequence[Score]) -> Comparison:
+        return compare([r.per_example(self.metric) for r in candidate],
+                       [r.per_example(self.metric) for r in current])
+
+    def verdict(self, candidate: Sequence[Score],
+                comparison: Comparison | None) -> str | None:
+        """Why the candidate (its runs) fails the gate, or None. Against the current
+        version it fails only when surely worse than the margin allows
+        (`gate_verdict`)."""
+        scored = Score.mean(candidate)
+        got = scored.metric(self.metric)
         if self.min_score is not None and got < self.min_score:
-            return (f"quality gate: {candidate.describe(self.metric)}, below the minimum "
+            return (f"quality gate: {scored.describe(self.metric)}, below the minimum "
                     f"{self.min_score:g}")
-        if self.vs_current and current is not None:
-            floor = current.metric(self.metric) - self.margin
-            if got < floor:
-                return (f"quality gate: {candidate.describe(self.metric)} against "
-                        f"{current.metric(self.metric):.4g} for the current version, more "
-                        f"than the margin {self.margin:g} below it")
+        if self.vs_current and comparison is not None and comparison.worse(self.margin):
+            return (f"quality gate: {scored.describe(self.metric)}, "
+                    f"{comparison.describe()} against the current version: surely more "
+                    f"than the margin {self.margin:g} below it")
         return None
 
 
@@ -182,7 +210,8 @@ async def score(client: httpx.AsyncClient, url: str, model: str,
     results = await asyncio.gather(*(one(c) for c in cases))
     return Score(exact_match=sum(ok for ok, _ in results) / len(results),
                  mean_logprob=sum(lp for _, lp in results) / len(results),
-                 examples=len(results))
+                 examples=len(results), hits=tuple(float(ok) for ok, _ in results),
+                 logprobs=tuple(lp for _, lp in results))
 
 
 async def _score_case(client: httpx.AsyncClient, url: str, model: str,
@@ -256,4 +285,4 @@ def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | Non
         raise Refused(422, f"eval set: {exc}", param="eval_data") from None
     return Gate(eval_data=str(path), cases=cases, metric=options.gate_metric,
                 min_score=options.gate_min_score, vs_current=options.gate_vs_current,
-                margin=options.gate_margin)
+                margin=options.gate_margin, repeats=options.gate_repeats)

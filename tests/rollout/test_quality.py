@@ -17,9 +17,10 @@ from dpserve.rollout.deployed import weights_for
 from tests.rollout.checkpoints import perturbed, write_variant
 from tests.rollout.fleet import deploy, fleet
 
-QUESTIONS = {"2+2=": "4", "3+3=": "6"}
+QUESTIONS = {f"{i}+{i}=": str(2 * i) for i in range(2, 22)}
+"""20 examples: enough for a paired comparison to be sure of a difference of one half."""
 ALL_RIGHT = (dict(QUESTIONS), -0.1)
-HALF_RIGHT = ({"2+2=": "4"}, -0.5)
+HALF_RIGHT = (dict(list(QUESTIONS.items())[:10]), -0.5)
 NONE_RIGHT = ({}, -3.0)
 
 
@@ -54,9 +55,9 @@ async def test_a_version_below_the_minimum_score_is_rolled_back_with_its_scores(
         eval_data=str(eval_file), gate_min_score=0.5)
     assert status == 202 and record["state"] == "rolled_back", record
     quality = record["quality"]
-    assert quality["candidate"] == {"exact_match": 0.0, "mean_logprob": -3.0, "examples": 2}
+    assert quality["candidate"] == {"exact_match": 0.0, "mean_logprob": -3.0, "examples": 20}
     assert quality["passed"] is False and "below the minimum 0.5" in quality["reason"]
-    assert "quality gate: exact_match 0 over 2 examples" in record["error"]
+    assert "quality gate: exact_match 0 over 20 examples" in record["error"]
     assert versions == [weights_for(str(tiny_model)).version] * 2
     assert record["replicas"][1]["phase"] == "pending"  # the others were never touched
 
@@ -71,6 +72,10 @@ async def test_against_the_current_version_the_margin_decides(
     assert record["quality"]["current"]["exact_match"] == 1.0
     assert record["quality"]["candidate"]["exact_match"] == 0.5
     assert record["quality"]["passed"] is (state == "succeeded")
+    comparison = record["quality"]["comparison"]
+    assert comparison["difference"] == -0.5 and comparison["high"] < -0.25
+    assert comparison["spread"] == 0 and comparison["repeats"] == 2
+    assert comparison["examples"] == 20 and comparison["sure"] is (margin == 0.0)
     want = weights_for(str(checkpoint if state == "succeeded" else tiny_model)).version
     assert versions == [want, want]
 
@@ -82,7 +87,20 @@ async def test_free_text_is_gated_on_its_log_likelihood(fake_replicas, tiny_mode
         eval_data=str(eval_file), gate_vs_current=True, gate_metric="mean_logprob",
         gate_margin=1.0)
     assert record["state"] == "rolled_back"
-    assert "mean_logprob -2 over 2 examples against -0.5" in record["quality"]["reason"]
+    assert record["quality"]["reason"] == (
+        "quality gate: mean_logprob -2 over 20 examples, -1.5 per example (95% interval "
+        "-1.5..-1.5 over 20 examples; runs of one version differed by up to 0 over 2 runs "
+        "each) against the current version: surely more than the margin 1 below it")
+
+
+async def test_the_same_checkpoint_against_itself_passes(fake_replicas, tiny_model,
+                                                         checkpoint, eval_file):
+    _, record, _ = await gated(fake_replicas, tiny_model, checkpoint, base=HALF_RIGHT,
+                               new=HALF_RIGHT, eval_data=str(eval_file),
+                               gate_vs_current=True, gate_repeats=3)
+    assert record["state"] == "succeeded", record
+    assert record["quality"]["comparison"]["difference"] == 0
+    assert record["quality"]["comparison"]["repeats"] == 3
 
 
 async def test_an_eval_set_alone_scores_the_new_version_and_gates_nothing(
@@ -102,8 +120,10 @@ async def test_an_eval_set_alone_scores_the_new_version_and_gates_nothing(
     ({"eval_data": "{eval}", "gate_metric": "bleu"}, 400, "gate_metric", "one of"),
     ({"eval_data": "{eval}", "gate_margin": -1}, 400, "gate_margin", "a number in 0..1e+06"),
     ({"eval_data": "{eval}", "gate_vs_current": "yes"}, 400, "gate_vs_current", "true or"),
+    ({"eval_data": "{eval}", "gate_repeats": 0}, 400, "gate_repeats", "an integer in 1..10"),
+    ({"gate_repeats": 2}, 400, "eval_data", "needs an eval set"),
 ], ids=["gate-without-eval", "relative", "outside-root", "malformed", "metric", "margin",
-        "flag"])
+        "flag", "no-repeats", "repeats-without-eval"])
 async def test_bad_gate_options_are_refused_and_change_nothing(
         fake_replicas, tiny_model, checkpoint, eval_file, options, status, param, message):
     bad = eval_file.parent / "bad.jsonl"
@@ -151,6 +171,6 @@ async def test_dpserve_deploy_prints_the_scores_and_the_verdict(fake_replicas, t
     text = out.getvalue()
     assert "gate failed" in status.getvalue().splitlines()[-1]  # `dpserve status`
     assert code == 1 and "rolled_back after" in text
-    assert ("eval candidate 0 exact_match (0% exact, mean log-prob -3.000, 2 examples) · "
-            "current 1 exact_match (100% exact, mean log-prob -0.100, 2 examples); "
-            "gate failed") in text
+    assert ("eval candidate 0 exact_match (0% exact, mean log-prob -3.000, 20 examples) · "
+            "current 1 exact_match (100% exact, mean log-prob -0.100, 20 examples); "
+            "difference -1 (95% -1..-1, runs spread 0 over 2); gate failed") in text
