@@ -40,6 +40,11 @@ ERRORS = frozenset({Outcome.SERVER_ERROR, Outcome.CONNECT_FAILED, Outcome.CONNEC
 client's or the router's)."""
 
 
+MAX_ANSWERS = 20_000
+"""TTFTs kept per side of a window: memory and the verdict's work stay bounded however
+long the window and high the rate (20,000 a side pin a ratio to within ~3%)."""
+
+
 @dataclass
 class Sample:
     requests: int = 0
@@ -48,6 +53,17 @@ class Sample:
     strata: list[int] = field(default_factory=list)
     """Beside each `first_byte_s`, the stratum its request falls in (`stratum`): the
     verdict compares TTFTs only within one."""
+    answers: int = 0
+    """Answers seen; `first_byte_s` keeps a uniform random MAX_ANSWERS of them."""
+
+    def answer(self, first_byte_s: float, stratum: int, rng: random.Random) -> None:
+        """Keep one answer's TTFT, by reservoir sampling beyond MAX_ANSWERS."""
+        self.answers += 1
+        if len(self.first_byte_s) < MAX_ANSWERS:
+            self.first_byte_s.append(first_byte_s)
+            self.strata.append(stratum)
+        elif (i := rng.randrange(self.answers)) < MAX_ANSWERS:
+            self.first_byte_s[i], self.strata[i] = first_byte_s, stratum
 
     @property
     def error_rate(self) -> float:
@@ -66,11 +82,17 @@ class Sample:
                 "ttft_p50_ms": None if p50 is None else round(p50, 1),
                 "ttft_p90_ms": None if p90 is None else round(p90, 1)}
 
-    def add(self, other: Sample) -> None:
+    def add(self, other: Sample, rng: random.Random | None = None) -> None:
         self.requests += other.requests
         self.errors += other.errors
+        self.answers += other.answers
         self.first_byte_s.extend(other.first_byte_s)
         self.strata.extend(other.strata)
+        if len(self.first_byte_s) > MAX_ANSWERS:  # a random MAX_ANSWERS of both
+            keep = sorted((rng or random.Random()).sample(range(len(self.first_byte_s)),
+                                                          MAX_ANSWERS))
+            self.first_byte_s = [self.first_byte_s[i] for i in keep]
+            self.strata = [self.strata[i] for i in keep]
 
 
 BLOCK_S = 5.0
@@ -158,5 +180,4 @@ class CanarySplit:
         sample.requests += 1
         sample.errors += outcome in ERRORS
         if first_byte_s is not None and outcome not in ERRORS:
-            sample.first_byte_s.append(first_byte_s)
-            sample.strata.append(stratum(self._clock() - self.opened, size))
+            sample.answer(first_byte_s, stratum(self._clock() - self.opened, size), self._rng)

@@ -27,9 +27,7 @@ from statistics import NormalDist
 import numpy as np
 
 MAX_PAIRS = 4_000_000
-"""Pairs compared at most (32 MB of float64). Beyond it each stratum keeps an even share
-of its pairs, drawn at random: the estimate and interval are then those of a random
-subsample (looser, never wrong)."""
+"""Pairs compared at most (32 MB of float64)."""
 
 
 @dataclass(frozen=True)
@@ -59,23 +57,24 @@ def shift(canary: Iterable[tuple[Hashable, float]], baseline: Iterable[tuple[Has
     pairs = sum(len(left[k]) * len(right[k]) for k in shared)
     if not pairs:
         return None
-    keep = min(1.0, MAX_PAIRS / pairs)
+    # Beyond MAX_PAIRS, each side of each stratum keeps a random share of its values:
+    # the test is then that of a random subsample (looser, never wrong).
+    keep = min(1.0, math.sqrt(MAX_PAIRS / pairs))
     rng = np.random.default_rng(seed)
     diffs, mean, var = [], 0.0, 0.0
     for k in shared:
         x, y = np.asarray(left[k]), np.asarray(right[k])
-        d = np.subtract.outer(x, y).ravel()
         if keep < 1.0:
-            d = rng.choice(d, size=max(1, int(len(d) * keep)), replace=False)
-        diffs.append(d)
+            x = rng.choice(x, size=max(1, math.ceil(len(x) * keep)), replace=False)
+            y = rng.choice(y, size=max(1, math.ceil(len(y) * keep)), replace=False)
+        diffs.append(np.subtract.outer(x, y).ravel())
         n, m = len(x), len(y)
         mean += n * m / 2  # the null moments of this stratum's Mann-Whitney U
         var += n * m * (n + m + 1) / 12
     d = np.concatenate(diffs)
     total = len(d)
-    # The interval's ends are the k-th smallest and largest of the n*m differences;
-    # of a random subsample of them, the same fraction of the way in.
-    k = math.floor((mean - z * math.sqrt(var)) * total / pairs)
+    # The interval's ends are the k-th smallest and largest of the differences.
+    k = math.floor(mean - z * math.sqrt(var))
     estimate = float(np.median(d))
     if k < 1:
         return Interval(math.exp(estimate), 0.0, math.inf)

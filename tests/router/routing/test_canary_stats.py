@@ -128,3 +128,16 @@ def test_the_interval_covers_a_true_2x_slowdown_as_often_as_it_says():
         estimates.append(iv.estimate)
     assert covered >= 88
     assert 1.8 < sorted(estimates)[50] < 2.2
+
+
+def test_beyond_the_pairs_it_compares_a_random_share_still_finds_the_shift(monkeypatch):
+    """A window at a high rate: each side of a stratum subsampled so that the pairs fit
+    (memory bounded), the estimate and the interval still hold the true ratio."""
+    import dpserve.router.routing.canary_stats as stats
+
+    monkeypatch.setattr(stats, "MAX_PAIRS", 10_000)
+    rng = random.Random(2)
+    canary = [(0, 1.5 * math.exp(rng.gauss(0, 0.5))) for _ in range(3000)]
+    baseline = [(0, math.exp(rng.gauss(0, 0.5))) for _ in range(3000)]
+    iv = shift(canary, baseline, Z95)
+    assert iv is not None and iv.low < 1.5 < iv.high and iv.high / iv.low < 1.4

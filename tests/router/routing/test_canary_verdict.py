@@ -128,3 +128,23 @@ def test_a_baseline_with_too_few_answers_leaves_the_others_to_compare_with():
 @pytest.mark.parametrize(("looks", "z"), [(1, 1.645), (8, 2.498)])
 def test_each_look_spends_its_share_of_the_error(looks, z):
     assert Rule(looks=looks).z == pytest.approx(z, abs=1e-3)
+
+
+def test_a_long_window_keeps_a_bounded_uniform_sample(monkeypatch):
+    import dpserve.router.routing.canary as canary
+
+    monkeypatch.setattr(canary, "MAX_ANSWERS", 100)
+    clock = Clock()
+    split = CanarySplit("r0", 50, baseline_id="r1", baseline_weight_pct=50, clock=clock,
+                        rng=random.Random(0))
+    for i in range(10_000):
+        clock.now = i / 100  # 100 s, 20 blocks
+        split.record("r0", Outcome.SUCCESS, 0.1 + i / 1e6)
+    c = split.canary
+    assert c.requests == c.answers == 10_000 and len(c.first_byte_s) == len(c.strata) == 100
+    blocks = {s // 64 for s in c.strata}
+    assert len(blocks) >= 15  # from all through the window, not its first second
+    merged = canary.Sample()
+    merged.add(c)
+    merged.add(c)
+    assert len(merged.first_byte_s) == 100 and merged.answers == 20_000
