@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dpserve.rollout.canary_phase import pick_baseline, window
-from dpserve.rollout.client import AdminClient, run_deploy
+from dpserve.rollout.client import AdminClient, run_deploy, run_status
 from dpserve.rollout.deployed import weights_for
 from dpserve.rollout.progress import DeployOptions
 from dpserve.router.fleet.breaker import Outcome
@@ -241,11 +241,14 @@ async def test_dpserve_deploy_shows_the_canary_as_it_runs(fake_replicas, tiny_mo
         code = await run_deploy(client, checkpoint, {**CANARY, "canary_duration_s": 6}, out)
         stop.set()
         await loading
+        status = io.StringIO()
+        await run_status(client, status)
     lines = [ln for ln in out.getvalue().splitlines() if "canary r0" in ln]
     assert code == 0 and len(lines) >= 2, out.getvalue()  # while it runs, then the verdict
     assert re.match(r"canary r0 \d/6 s at 50%: ", lines[-1].strip()), lines
     assert "; passed: not worse than the baseline r1 at 95% confidence: TTFT " in lines[-1]
     assert " · baseline r1 at 50%: " in lines[-1]
+    assert status.getvalue().splitlines()[-1] == lines[-1]  # `dpserve status` says it too
 
 
 @pytest.mark.parametrize(("options", "param", "message"), [
