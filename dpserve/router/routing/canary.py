@@ -25,6 +25,7 @@ verdict on these samples is `canary_verdict`'s. Pure state, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -143,6 +144,16 @@ class CanarySplit:
     def from_spec(cls, spec: dict[str, Any]) -> CanarySplit:
         return cls(spec["replica"], spec["weight"], baseline_id=spec["baseline"],
                    baseline_weight_pct=spec["baseline_weight"], opened=spec["opened"])
+
+    def snapshot(self) -> CanarySplit:
+        """A copy of the split as it stands, to judge away from the event loop while
+        this one goes on recording."""
+        copy = CanarySplit(self.replica_id, self.weight_pct, baseline_id=self.baseline_id,
+                           baseline_weight_pct=self.baseline_weight_pct, opened=self.opened)
+        copy.canary, copy.baseline, copy.others = (
+            dataclasses.replace(s, first_byte_s=list(s.first_byte_s), strata=list(s.strata))
+            for s in (self.canary, self.baseline, self.others))
+        return copy
 
     def samples(self) -> dict[str, Sample]:
         return {"canary": self.canary, "baseline": self.baseline, "others": self.others}

@@ -148,3 +148,11 @@ def test_a_long_window_keeps_a_bounded_uniform_sample(monkeypatch):
     merged.add(c)
     merged.add(c)
     assert len(merged.first_byte_s) == 100 and merged.answers == 20_000
+
+
+def test_a_snapshot_is_judged_as_the_split_while_the_split_goes_on():
+    split = window(random.Random(6), 100, ratio=3.0)
+    copy = split.snapshot()
+    assert judge(copy, RULE) == judge(split, RULE)
+    split.record("r0", Outcome.SUCCESS, 0.1)
+    assert copy.canary.requests == 100 and len(copy.canary.first_byte_s) == 100
