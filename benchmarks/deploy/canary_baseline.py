@@ -10,8 +10,9 @@ system prompt and history, `--prefix-tokens` each) followed by a short new turn,
 `--clients` clients back to back. Every deploy (`--deploys`, alternating two
 checkpoints whose weights differ by noise: the same speed) is healthy, so every
 rollback is a false alarm. Each deploy's record holds the canary's, the baseline's and
-the others' samples from the same window; both verdicts are `router.canary.compare` on
-them, with the default thresholds.
+the others' samples from the same window; both verdicts are the threshold rule the
+canary used before its verdict had intervals (`threshold_rule`) on them.
+`canary_trials.py` measures the verdict deploys use now.
 
     python -m benchmarks.deploy.canary_baseline [--replicas 4] [--deploys 4] [--weight 25]
         [--duration-s 20] [--conversations 48] [--prefix-tokens 900] [--clients 6]
@@ -32,7 +33,7 @@ from typing import Any
 from benchmarks.common.fleet import fleet
 from benchmarks.deploy.rollout import make_checkpoints
 from dpserve.rollout.progress import DeployOptions
-from dpserve.router.routing.canary import CanarySplit, Thresholds, compare
+from dpserve.router.routing.canary import CanarySplit, Sample
 from dpserve.tinymodel import TINY_MODEL_NAME, build_tiny_model
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS, Payload
@@ -65,12 +66,32 @@ def payloads(model: Path, conversations: int, prefix_tokens: int, turns: int = 8
     return out
 
 
-def verdicts(split: CanarySplit, limits: Thresholds) -> tuple[str, str]:
-    """`router.canary.compare` on the window's samples: against the baseline (what a
-    deploy judges), and against the warm others alone (what it judged before)."""
-    warm = CanarySplit(split.replica_id, split.weight_pct)
-    warm.canary, warm.others = split.canary, split.others
-    return compare(split, limits) or "pass", compare(warm, limits) or "pass"
+def threshold_rule(canary: Sample, ref: Sample) -> bool:
+    """The rule before the verdict had intervals (`canary_verdict`): fail if the canary
+    served fewer than 10 requests, its error rate is over the reference's by more than 1
+    point, or its TTFT p50 or p90 is over 1.5x the reference's and 20 ms more. True:
+    passed."""
+    return threshold_failure(canary, ref) is None
+
+
+def threshold_failure(canary: Sample, ref: Sample) -> str | None:
+    if canary.requests < 10:
+        return "fewer than 10 requests"
+    if canary.error_rate - ref.error_rate > 0.01:
+        return "error rate"
+    for p in (50, 90):
+        mine, theirs = canary.percentile_ms(p), ref.percentile_ms(p)
+        if mine is not None and theirs and mine > 1.5 * theirs and mine - theirs > 20:
+            return f"p{p} {mine / theirs:.1f}x"
+    return None
+
+
+def verdicts(split: CanarySplit) -> tuple[str, str]:
+    """The threshold rule on the window's samples: against the baseline (when it served
+    10 requests), and against the warm others alone (what it judged before that)."""
+    ref = split.baseline if split.baseline.requests >= 10 else split.others
+    return (threshold_failure(split.canary, ref) or "pass",
+            threshold_failure(split.canary, split.others) or "pass")
 
 
 async def capture_split(traffic: Any, found: list[CanarySplit]) -> None:
@@ -86,10 +107,6 @@ async def main(args: argparse.Namespace) -> int:
     model = build_tiny_model(Path(args.model))
     checkpoints = make_checkpoints(model, work / "checkpoints")
     options = DeployOptions(canary_weight=args.weight, canary_duration_s=args.duration_s)
-    limits = Thresholds(max_error_rate_delta=options.canary_max_error_rate_delta,
-                        max_ttft_ratio=options.canary_max_ttft_ratio,
-                        ttft_slack_ms=options.canary_ttft_slack_ms,
-                        min_requests=options.canary_min_requests)
     rows = []
     async with fleet(model, work, args.replicas, checkpoint_root=work) as f:
         stop = asyncio.Event()
@@ -111,7 +128,7 @@ async def main(args: argparse.Namespace) -> int:
                 if not c or "canary" not in c or not splits:
                     print(f"deploy {i + 1}: no canary phase ({progress.error})", flush=True)
                     continue
-                vs_baseline, vs_others = verdicts(splits.pop(), limits)
+                vs_baseline, vs_others = verdicts(splits.pop())
                 row = {"deploy": i + 1, "state": progress.state.value,
                        "took_s": round(time.monotonic() - t0, 1), "canary": c["canary"],
                        "baseline": c.get("baseline"), "others": c["others"],
@@ -127,9 +144,8 @@ async def main(args: argparse.Namespace) -> int:
         reasons = sorted({f"{r.status} {r.detail[:80]}" for r in outcome.records if not r.ok})
         print(f"WARNING: {failed} requests failed, so the samples are not what a healthy "
               f"load gives (the tiny model serves 1024 tokens at most): {reasons[:3]}")
-    print(f"\n{len(outcome.records)} requests, {failed} failed; thresholds: "
-          f"{limits.max_ttft_ratio:g}x and {limits.ttft_slack_ms:g} ms, "
-          f"{limits.max_error_rate_delta:g} error-rate points\n")
+    print(f"\n{len(outcome.records)} requests, {failed} failed; threshold rule: 1.5x and "
+          "20 ms at p50 or p90, 0.01 error-rate points\n")
     print("| deploy | canary p50/p90 ms (n) | baseline p50/p90 ms (n) | others p50/p90 ms (n) "
           "| vs baseline | vs others |")
     print("|---|---|---|---|---|---|")
