@@ -12,7 +12,9 @@ from dpserve.router.telemetry.metrics import BREAKER_STATES, RouterMetrics
 # `adapter` takes only names an operator deployed (requests naming others are not counted);
 # `metric` and `of` name an eval score (2 x 2 values).
 BOUNDED_LABELS = {"route", "replica", "status_class", "state", "outcome", "reason", "adapter",
-                  "metric", "of"}
+                  "metric", "of", "verdict", "action", "check", "bound"}
+"""Each a small fixed set (a canary's `verdict` passed/failed/inconclusive, `action`
+promoted/rolled_back, `check` and `bound` a few names each) or one per replica."""
 
 
 def router_metrics() -> RouterMetrics:
