@@ -4,7 +4,7 @@ before (a threshold on p50/p90 TTFT) on the same windows.
 
 A fleet of `--replicas` real vLLM CPU replicas of the tiny model (default 4, two per
 core on this machine), routed by prefix affinity, serves a chat-like load (48
-conversations, each a 900-token prefix and a 16-token turn): **steady** (6 clients back
+conversations, each a `--prefix-tokens` prefix and a 16-token turn): **steady** (6 clients back
 to back) or **bursty** (open loop, gamma arrivals of burstiness 0.25 at
 `--bursty-rate` req/s, at most 16 in flight). The canary is r0, its baseline the
 replica `pick_baseline` picks (r2, on r0's core), both prefix caches reset as the
@@ -14,9 +14,9 @@ window opens, `--weight`% of new requests each. Kinds of trial:
   same checkpoint judged against itself;
 - **retrained**: a real deploy (`Rollout.start`, canary options) of one of two
   checkpoints whose weights differ by noise (equal quality and speed), alternating;
-- **slow**: r0's engine process group stopped 0.3 s of every 0.4 s for the window
-  (SIGSTOP/SIGCONT, `--stall`): its TTFT about twice the baseline's here (the
-  verdict's own estimate is in each row);
+- **slow**: r0's engine process group stopped 0.1 s of every 0.2 s for the window
+  (SIGSTOP/SIGCONT, `--stall`, half its compute): its TTFT about twice the
+  baseline's here (the verdict's own estimate is in each row);
 - **failing**: every replica behind `benchmarks.common.fault_proxy`, r0's answering 5%
   of its API requests 500 for the window.
 
@@ -372,7 +372,7 @@ if __name__ == "__main__":
     p.add_argument("--bursty-rate", type=float, default=12.0)
     p.add_argument("--prefix-tokens", type=int, default=300)
     p.add_argument("--stall", type=lambda v: tuple(float(x) for x in v.split("/")),
-                   default=(0.3, 0.1), help="slow: seconds stopped/running (default 0.3/0.1)")
+                   default=(0.1, 0.1), help="slow: seconds stopped/running (default 0.1/0.1)")
     p.add_argument("--out", help="append each trial's row (JSON) to this file")
     p.add_argument("--baseline", metavar="ID",
                    help="the baseline replica of same, slow and failing windows (default: "
