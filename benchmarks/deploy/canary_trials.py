@@ -75,13 +75,14 @@ _record = CanarySplit.record
 
 
 def _recording(self: CanarySplit, replica_id: str, outcome: Outcome,
-               first_byte_s: float | None, size: int = 0) -> None:
+               first_byte_s: float | None, size: int = 0, prefill: int | None = None
+               ) -> None:
     """Every attempt a split records, kept raw (`raw`) so that a window can be judged
     again later at any look, by any rule (`--replay`)."""
     raw = self.__dict__.setdefault("raw", [])
     raw.append([round(time.monotonic() - self.opened, 4), replica_id, outcome.value,
-                first_byte_s, size])
-    _record(self, replica_id, outcome, first_byte_s, size)
+                first_byte_s, size, prefill])
+    _record(self, replica_id, outcome, first_byte_s, size, prefill)
 
 
 CanarySplit.record = _recording  # type: ignore[method-assign]
@@ -93,11 +94,11 @@ def replay(raw: list[list[Any]], spec: dict[str, Any], until_s: float) -> Canary
     split = CanarySplit(spec["replica"], spec["weight"], baseline_id=spec["baseline"],
                         baseline_weight_pct=spec["baseline_weight"], opened=0.0,
                         clock=lambda: clock[0])
-    for at, replica_id, outcome, first_byte_s, size in raw:
+    for at, replica_id, outcome, first_byte_s, size, *prefill in raw:  # older rows: 5
         if at > until_s:
             break
         clock[0] = at
-        _record(split, replica_id, Outcome(outcome), first_byte_s, size)
+        _record(split, replica_id, Outcome(outcome), first_byte_s, size, *prefill)
     return split
 
 

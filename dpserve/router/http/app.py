@@ -103,7 +103,9 @@ class Router:
         """The other routers in front of these replicas (`dpserve.router.peers`)."""
         if self.peers is not None:
             self.metrics.registry.register(PeerCollector(self.peers))
-        self.dispatcher = Dispatcher(pool, self.policy, config)
+        self.dispatcher = Dispatcher(
+            pool, self.policy, config,
+            uncached=self.kv.index.uncached_tokens if self.kv is not None else None)
         self.adapters = adapters if adapters is not None else Adapters()
         """LoRA adapter versions served beside the base model (filled by deploys)."""
         self.bodies = BodyBudget(config.max_inflight_body_bytes)

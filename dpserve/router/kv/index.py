@@ -289,6 +289,14 @@ class KVIndex:
         out: what it holds is not known."""
         return self.expected_tokens(token_ids, lora)[0]
 
+    def uncached_tokens(self, replica_id: Hashable, token_ids: Sequence[int],
+                        lora: str | None) -> int | None:
+        """How many of the prompt's tokens `replica_id`'s engine must compute afresh, by
+        its events: the prefill a request costs there (None: what it holds is not known,
+        stale or never heard from)."""
+        held = self.cached_tokens(token_ids, lora).get(replica_id)
+        return None if held is None else len(token_ids) - min(held, len(token_ids))
+
     def expected_tokens(self, token_ids: Sequence[int], lora: str | None,
                         forecast: Forecast | None = None, now: float = 0.0
                         ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:

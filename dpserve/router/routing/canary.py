@@ -19,7 +19,8 @@ or more and a weight up to 50% the baseline's share equals the canary's, so both
 the same load; with 2 the baseline is the other replica and takes the rest. Each
 finished attempt is recorded by replica: its outcome and, when a response began, the
 time its client waited for the first byte (queueing and retries included: what the
-client saw) with its stratum (`stratum`: when it finished, how large it was). The
+client saw) with its stratum (`stratum`: when it finished, how much prompt its engine
+had to compute: the uncached tokens by the engines' KV events, else its size). The
 verdict on these samples is `canary_verdict`'s. Pure state, no I/O.
 """
 
@@ -99,13 +100,19 @@ class Sample:
 BLOCK_S = 5.0
 """Requests sent this close in time share a stratum: a burst, a neighbour's busy spell or
 a stall lands on both sides of the comparison alike."""
+PER_BLOCK = 128
+"""Strata in one time block: 64 of body size, 64 of uncached prompt tokens."""
 
 
-def stratum(at_s: float, size: int) -> int:
-    """The stratum of a request that finished `at_s` seconds into the window, its body
-    `size` bytes long: its time block and its size to a factor of 4 (a long prompt's
-    prefill is not a regression)."""
-    return int(at_s // BLOCK_S) * 64 + min(63, size.bit_length() // 2)
+def stratum(at_s: float, size: int, prefill: int | None = None) -> int:
+    """The stratum of a request that finished `at_s` seconds into the window: its time
+    block, and the work its first token waited on to a factor of 4 (a long prompt's
+    prefill is not a regression, nor is a cache miss): the prompt tokens its engine
+    computed afresh, `prefill`, where the router follows the engines' KV events (a cache
+    hit costs nothing), else its body's `size` in bytes. The two never share a stratum."""
+    work = min(63, size.bit_length() // 2) if prefill is None else (
+        64 + min(63, prefill.bit_length() // 2))
+    return int(at_s // BLOCK_S) * PER_BLOCK + work
 
 
 def baseline_weight(weight_pct: float, replicas: int) -> float:
@@ -181,8 +188,9 @@ class CanarySplit:
         return group or [r for r in candidates if r.id != self.replica_id] or list(candidates)
 
     def record(self, replica_id: str, outcome: Outcome, first_byte_s: float | None,
-               size: int = 0) -> None:
-        """One finished attempt on `replica_id`; `size`: its request body's bytes."""
+               size: int = 0, prefill: int | None = None) -> None:
+        """One finished attempt on `replica_id`; `size`: its request body's bytes;
+        `prefill`: the prompt tokens its engine computed afresh, when known."""
         if outcome is Outcome.CLIENT_ERROR or (outcome is Outcome.ABORTED
                                                and first_byte_s is None):
             return  # says nothing about the replica: a 4xx answers at once, whatever it runs
@@ -191,4 +199,5 @@ class CanarySplit:
         sample.requests += 1
         sample.errors += outcome in ERRORS
         if first_byte_s is not None and outcome not in ERRORS:
-            sample.answer(first_byte_s, stratum(self._clock() - self.opened, size), self._rng)
+            sample.answer(first_byte_s, stratum(self._clock() - self.opened, size, prefill),
+                          self._rng)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 
 from dpserve.config import RouterConfig
@@ -66,6 +66,10 @@ class Unavailable(RouterError):
         super().__init__(status, message, retry_after_s=retry_after_s)
 
 
+Uncached = Callable[[str, Sequence[int], str | None], int | None]
+"""`(replica id, prompt token ids, adapter) -> tokens its engine must prefill`, or None."""
+
+
 class Slot:
     """One attempt's hold on one replica, as a context manager.
 
@@ -81,13 +85,17 @@ class Slot:
     """
 
     __slots__ = ("_dispatcher", "adapter", "first_byte_s", "held", "outcome", "permit",
-                 "replica", "size", "started")
+                 "prefill", "replica", "size", "started")
 
     def __init__(self, dispatcher: Dispatcher, replica: Replica, permit: Permit,
-                 adapter: str | None = None, size: int = 0) -> None:
+                 adapter: str | None = None, size: int = 0,
+                 prefill: int | None = None) -> None:
         self._dispatcher = dispatcher
         self.size = size
         """The request body's bytes."""
+        self.prefill = prefill
+        """The prompt tokens the replica's engine had to compute afresh (its KV events
+        held the rest), when known; only while a canary window is open."""
         self.replica = replica
         self.permit = permit
         self.adapter = adapter
@@ -127,8 +135,13 @@ class Slot:
 
 class Dispatcher:
     def __init__(self, pool: ReplicaPool, policy: Policy, config: RouterConfig, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 uncached: Uncached | None = None) -> None:
+        """`uncached`: the prompt tokens a replica must compute afresh, by its engine's
+        KV events (`KVIndex.uncached_tokens`), for a canary's comparison of like with
+        like; None when the router does not follow the events."""
         self._pool = pool
+        self._uncached = uncached
         self._policy = policy
         self._config = config
         self._clock = clock
@@ -209,7 +222,10 @@ class Dispatcher:
         permit = self.breaker(replica).allow(self._clock()) if replica is not None else None
         if replica is None or permit is None:
             raise self._nothing_open(tried)
-        return Slot(self, replica, permit, adapter, request.size)
+        prefill = None
+        if self.canary is not None and self._uncached is not None and request.tokens:
+            prefill = self._uncached(replica.id, request.tokens, request.adapter)
+        return Slot(self, replica, permit, adapter, request.size, prefill)
 
     async def _await_open(self, tried: Collection[str], adapter: str | None) -> None:
         """Wait in the admission queue for a replica to be open to this request (its
@@ -239,7 +255,8 @@ class Dispatcher:
         now = self._clock()
         self.breaker(slot.replica).record(slot.permit, slot.outcome, now)
         if self.canary is not None:
-            self.canary.record(slot.replica.id, slot.outcome, slot.first_byte_s, slot.size)
+            self.canary.record(slot.replica.id, slot.outcome, slot.first_byte_s, slot.size,
+                               slot.prefill)
         if slot.outcome is Outcome.SUCCESS:
             self._mean_service_s = ewma(self._mean_service_s, now - slot.started)
         self.queue.notify()

@@ -51,6 +51,19 @@ def test_cleared_or_dropped_replicas_score_zero():
     assert index.stats()["r0"].blocks == 0
 
 
+def test_what_a_replica_must_prefill_is_the_prompt_past_its_cached_blocks():
+    index = KVIndex()
+    index.apply("r0", 0, prefix_events(6))
+    index.apply("r1", 0, prefix_events(6, lora="sql"))
+    assert index.uncached_tokens("r0", PROMPT, None) == len(PROMPT) - 6 * BS
+    assert index.uncached_tokens("r0", PROMPT[:10], None) == 2  # two blocks, 2 tokens over
+    assert index.uncached_tokens("r1", PROMPT, None) == len(PROMPT)  # cached for another
+    assert index.uncached_tokens("r1", PROMPT, "sql") == len(PROMPT) - 6 * BS
+    assert index.uncached_tokens("r2", PROMPT, None) is None  # never heard from
+    index.apply("r0", 5, [Removed(block_hashes=(1,))])  # a gap: stale, not known
+    assert index.uncached_tokens("r0", PROMPT, None) is None
+
+
 def test_a_gap_makes_the_replica_stale_until_the_missing_batches_arrive():
     index = KVIndex()
     index.apply("r0", 0, prefix_events(4))

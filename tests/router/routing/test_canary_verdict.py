@@ -87,6 +87,26 @@ def test_a_burst_that_fell_on_the_canary_is_not_taken_for_a_slower_replica():
     assert counts[WORSE] == 0, counts
 
 
+@pytest.mark.parametrize(("known", "verdict"), [(True, NOT_WORSE), (False, WORSE)])
+def test_cache_misses_are_compared_with_cache_misses_where_the_engines_say_which(
+        known, verdict):
+    """Prompts of one size: a hit prefills 16 new tokens in 50 ms, a miss 1,000 in
+    250 ms. The canary missed 60% of the time, its baseline 10% (as fast per token).
+    By the uncached tokens the KV events give, like is compared with like; by size
+    alone, the canary's misses read as a replica 2-3x slower."""
+    rng = random.Random(11)
+    clock = Clock()
+    split = CanarySplit("r0", 25, baseline_id="r1", baseline_weight_pct=25, clock=clock)
+    for i in range(400):
+        clock.now = i / 10
+        for side, misses in (("r0", 0.6), ("r1", 0.1)):
+            miss = rng.random() < misses
+            ttft = (0.25 if miss else 0.05) * math.exp(rng.gauss(0, 0.2))
+            split.record(side, Outcome.SUCCESS, ttft, 4000,
+                         (1000 if miss else 16) if known else None)
+    assert judge(split, RULE).ttft.verdict == verdict
+
+
 def test_the_verdict_says_what_it_compared_and_how_sure_it_is():
     split = window(random.Random(3), 300, ratio=3.0)
     v = judge(split, RULE)
@@ -142,7 +162,7 @@ def test_a_long_window_keeps_a_bounded_uniform_sample(monkeypatch):
         split.record("r0", Outcome.SUCCESS, 0.1 + i / 1e6)
     c = split.canary
     assert c.requests == c.answers == 10_000 and len(c.first_byte_s) == len(c.strata) == 100
-    blocks = {s // 64 for s in c.strata}
+    blocks = {s // canary.PER_BLOCK for s in c.strata}
     assert len(blocks) >= 15  # from all through the window, not its first second
     merged = canary.Sample()
     merged.add(c)

@@ -9,12 +9,14 @@ make a busy replica look idle.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
 from dpserve.config import RouterConfig
 from dpserve.router.fleet.breaker import Outcome
 from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
+from dpserve.router.routing.canary import CanarySplit, stratum
 from dpserve.router.routing.dispatch import Dispatcher, Unavailable
 from dpserve.router.routing.policies import RequestInfo, make_policy
 from tests.conftest import running_router
@@ -176,3 +178,28 @@ async def test_a_wait_for_a_replica_coming_into_rotation_ends_with_the_queue_tim
     with pytest.raises(Unavailable):  # the one coming is one it failed on: no wait
         await asyncio.wait_for(d.choose(REQUEST, ["r0", "r1"], waiting=lambda c: None), 0.5)
     assert d.could_take(REQUEST, ["r1"]) and not d.could_take(REQUEST, ["r0", "r1"])
+
+
+async def test_in_a_canary_window_an_attempt_is_recorded_with_the_prefill_its_engine_did():
+    """The uncached prompt tokens come from the KV events (`uncached`), and are asked for
+    only while a canary window is open."""
+    asked: list[tuple[str, tuple[int, ...], str | None]] = []
+
+    def uncached(replica_id: str, tokens: Sequence[int], adapter: str | None) -> int:
+        asked.append((replica_id, tuple(tokens), adapter))
+        return 700
+
+    pool = ReplicaPool([Replica(id="r0", url="http://r0", state=ReplicaState.READY)])
+    d = Dispatcher(pool, make_policy("round-robin"), RouterConfig(), uncached=uncached)
+    prompt = RequestInfo(route="/v1/completions", tokens=(1, 2, 3), size=5000)
+    with await d.choose(prompt, []) as slot:
+        slot.outcome, slot.first_byte_s = Outcome.SUCCESS, 0.1
+    assert asked == [] and slot.prefill is None  # no window: nothing asked
+    d.canary = CanarySplit("r0", 100, clock=lambda: 0.0)
+    with await d.choose(prompt, []) as slot:
+        slot.outcome, slot.first_byte_s = Outcome.SUCCESS, 0.1
+    with await d.choose(REQUEST, []) as slot:  # no tokens known: by its size
+        slot.outcome, slot.first_byte_s = Outcome.SUCCESS, 0.1
+    assert asked == [("r0", (1, 2, 3), None)]
+    assert d.canary.canary.strata == [stratum(0, 5000, 700), stratum(0, 0)]
+    assert stratum(0, 5000, 700) != stratum(0, 5000)

@@ -17,7 +17,7 @@ from dpserve.router.fleet.breaker import Outcome
 from dpserve.router.fleet.live import Moving
 from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.http.app import Router, build_app
-from dpserve.router.routing.canary import CanarySplit, stratum
+from dpserve.router.routing.canary import PER_BLOCK, CanarySplit, stratum
 from dpserve.router.routing.policies import RequestInfo
 from dpserve.router.workers.follower import Follower
 from dpserve.router.workers.leader import Leader, answer
@@ -134,7 +134,7 @@ async def test_canary_outcomes_seen_by_the_follower_reach_the_leaders_comparison
                        "the follower's samples on the leader")
         assert split.canary.errors == 1 and split.baseline.first_byte_s == [0.25]
         [got] = split.baseline.strata  # its size, and a time block of the window so far
-        assert got % 64 == stratum(0, 5000) and got <= stratum(
+        assert got % PER_BLOCK == stratum(0, 5000) and got <= stratum(
             time.monotonic() - split.opened, 5000)
         assert split.others.first_byte_s == [0.5]
 
