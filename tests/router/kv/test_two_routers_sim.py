@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpserve.router.routing.canary import PER_BLOCK, CanarySplit
 from dpserve.sim import Fleet
 from tests.conftest import running_router
 from tests.sim.conftest import FAST
@@ -99,3 +100,49 @@ async def test_without_a_tokenizer_every_request_is_placed_by_the_fallback_and_c
             text = await resp.text()
         assert metric(text, "dpserve_kv_routing_decisions_total", basis="no_tokens") == 3
         assert metric(text, "dpserve_kv_routing_decisions_total", basis="events") == 0
+
+
+async def test_a_canary_window_compares_cache_hits_with_hits_by_what_the_engine_holds():
+    """The canary's TTFTs are stratified by the prompt tokens its engine computed afresh:
+    a conversation's first turn (its prefix nowhere yet) apart from the next turns
+    (the prefix held by the engine, by its events)."""
+    async with Fleet(n=2, config=EVENTS) as fleet, running_router(
+            fleet.urls, policy="kv-aware", tokenizer="sim") as (url, router), \
+            aiohttp.ClientSession() as s:
+        await wait_for(lambda: followed(s, url, 2), what="the router following both replicas")
+        assert router.kv is not None
+        index = router.kv.index
+
+        def blocks() -> int:
+            stats = index.stats().get("r0")
+            return 0 if stats is None else stats.blocks
+
+        router.dispatcher.canary = CanarySplit("r0", 100)  # every first attempt to r0
+        sent = []
+
+        async def heard() -> bool:
+            """Another unrelated prompt to r0, until its events reach the index (the
+            first may be published before the subscription took)."""
+            sent.append(len(sent))
+            async with s.post(url + "/v1/completions", json={
+                    "model": EVENTS.model, "prompt": f"unrelated {len(sent)} " * 40,
+                    "max_tokens": 1}) as resp:
+                assert resp.status == 200
+            return blocks() > 0
+        await wait_for(heard, what="r0's first events", within_s=20, every_s=0.2)
+        split = router.dispatcher.canary = CanarySplit("r0", 100)
+        history = [{"role": "system", "content": SYSTEM}]
+        for turn in range(3):
+            history.append({"role": "user", "content": f"question {turn} please"})
+            before = blocks()
+            async with s.post(url + "/v1/chat/completions", json={
+                    "model": EVENTS.model, "messages": history, "max_tokens": 4}) as resp:
+                assert resp.status == 200 and resp.headers["x-dpserve-replica"] == "r0"
+                body = await resp.json()
+            history.append({"role": "assistant",
+                            "content": body["choices"][0]["message"]["content"]})
+            await wait_for(lambda b=before: blocks() > b,
+                           what="r0's events reporting the turn's blocks")
+        work = [s % PER_BLOCK for s in split.canary.strata]
+        assert len(work) == 3 and all(w >= 64 for w in work), work  # by tokens, not bytes
+        assert work[0] > work[1] and work[0] > work[2], work  # the miss, apart
