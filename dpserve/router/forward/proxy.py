@@ -223,8 +223,10 @@ class ProxyEndpoint:
                 ex.payload = parsed.payload
             if adapters:
                 self._resolve_adapter(ex, parsed.payload)
-                if ex.adapter is None:
-                    check_model(ex.info.model, known)
+                if ex.adapter is None:  # listed by the names clients use
+                    engine = {v.engine_name for v in self._adapters.versions()}
+                    check_model(ex.info.model, known,
+                                (known - engine) | self._adapters.names())
             if ex.span is not None:  # checked above: only a name the fleet serves
                 ex.model = ex.client_model if ex.adapter is not None else (
                     ex.info.model if ex.info.model in known else None)

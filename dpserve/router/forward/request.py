@@ -92,11 +92,24 @@ class ParsedRequest:
     """The body as parsed."""
 
 
-def check_model(model: str | None, known_models: frozenset[str]) -> None:
-    """RouterError 404 (OpenAI's words) for a model no replica serves; `known_models`
-    empty means not known yet: anything passes."""
-    if model is not None and known_models and model not in known_models:
-        raise RouterError(404, f"The model `{model}` does not exist.", param="model")
+LISTED_MODELS = 8
+"""Served names an unknown model's 404 lists at most (the rest: GET /v1/models)."""
+
+
+def check_model(model: str | None, known_models: frozenset[str],
+                listed: frozenset[str] | None = None) -> None:
+    """RouterError 404 (OpenAI's words, then the names served: `listed`, else
+    `known_models`) for a model no replica serves; `known_models` empty means not known
+    yet: anything passes."""
+    if model is None or not known_models or model in known_models:
+        return
+    names = sorted(known_models if listed is None else listed)
+    served = ", ".join(f"`{n}`" for n in names[:LISTED_MODELS])
+    if len(names) > LISTED_MODELS:
+        served += f" and {len(names) - LISTED_MODELS} more (GET /v1/models)"
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    raise RouterError(404, f"The model `{shown}` does not exist. Served here: {served}.",
+                      param="model")
 
 
 def parse_request(

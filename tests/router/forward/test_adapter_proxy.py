@@ -12,7 +12,7 @@ from dpserve.router.fleet.adapters import Adapters, AdapterVersion
 from dpserve.router.fleet.pool import Replica, ReplicaPool, ReplicaState
 from dpserve.router.http.app import Router
 from tests.conftest import serving
-from tests.fakes import as_sent
+from tests.fakes import MODEL, as_sent
 from tests.router.forward.test_smuggling import SMUGGLED, chunked, port_of
 from tests.router.rawhttp import completion, exchange, parse_responses, request
 from tests.waiting import wait_for
@@ -74,6 +74,8 @@ async def test_a_replaced_version_or_a_bad_body_is_a_4xx_that_reaches_no_replica
              "serves version v2"),
             (json.dumps({"model": "support@v9", "prompt": "x"}).encode(), 404,
              "does not exist"),
+            (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404,  # by client names
+             f"The model `nope` does not exist. Served here: `{MODEL}`, `support`."),
             (b'{"model": "support", "prompt": "' + b"x" * 9000 + b'"}', 413, "larger"),
             (b'{"model": "support", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400,
              "nested too deeply"),

@@ -17,7 +17,8 @@ KNOWN = frozenset({"m"})
     (b'"text"', 400, "request body must be a JSON object", None),
     (b'{"model": 7}', 400, "'model' must be a string", "model"),
     (b'{"model": "m", "stream": "yes"}', 400, "'stream' must be a boolean", "stream"),
-    (b'{"model": "other"}', 404, "The model `other` does not exist.", "model"),
+    (b'{"model": "other"}', 404, "The model `other` does not exist. Served here: `m`.",
+     "model"),
     (b"[" * 100_000, 400, "request body is nested too deeply", None),
     (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, 400, "request body is nested too deeply",
      None),
@@ -29,6 +30,17 @@ def test_a_body_the_router_cannot_route_is_refused_naming_why(body, status, mess
     assert caught.value.status == status
     assert caught.value.message.startswith(message)
     assert caught.value.param == param
+
+
+def test_an_unknown_model_is_answered_with_the_names_served_a_few_at_most():
+    known = frozenset(f"model-{i:02d}" for i in range(20))
+    with pytest.raises(RouterError) as caught:
+        parse_request(b'{"model": "' + b"x" * 5000 + b'"}', [], route="/v1/completions",
+                      known_models=known)
+    message = caught.value.message
+    assert message.startswith("The model `" + "x" * 200 + "...` does not exist.")
+    assert "`model-00`, `model-01`" in message and "`model-07` and 12 more" in message
+    assert "model-08" not in message and len(message) < 500
 
 
 @pytest.mark.parametrize("body, known, model, stream", [
