@@ -91,6 +91,10 @@ class AdminClient:
     async def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
             resp = await self._http.request(method, path, **kw)
+        except httpx.ConnectError:
+            raise AdminError(f"no router answers at {self.router_url}: start one with "
+                             "`dpserve serve --model MODEL`, or point --router (or "
+                             "$DPSERVE_ROUTER_URL) at the one running") from None
         except httpx.HTTPError as exc:
             raise AdminError(f"cannot reach the router at {self.router_url}: "
                              f"{type(exc).__name__} {exc}") from None

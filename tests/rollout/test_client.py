@@ -122,9 +122,12 @@ def test_the_admin_key_comes_from_a_file_or_the_environment(tmp_path):
     assert read_admin_key(None, {}) is None
 
 
-def test_status_of_an_unreachable_router_is_a_clear_error(capsys):
-    assert main(["status", "--router", "http://127.0.0.1:9"]) == 1
-    assert "cannot reach the router at http://127.0.0.1:9" in capsys.readouterr().out
+@pytest.mark.parametrize("command", [["status"], ["deploy", "/tmp/x"]])
+def test_a_command_with_no_router_to_talk_to_says_how_to_start_or_find_one(command, capsys):
+    assert main([*command, "--router", "http://127.0.0.1:9"]) == 1
+    out = capsys.readouterr().out
+    assert "no router answers at http://127.0.0.1:9: start one with `dpserve serve" in out
+    assert "point --router (or $DPSERVE_ROUTER_URL) at the one running" in out
 
 
 def test_deploy_needs_a_checkpoint_or_a_directory_to_watch(capsys):
