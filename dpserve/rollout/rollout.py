@@ -74,7 +74,7 @@ from dpserve.rollout.progress import (
     ReplicaProgress,
 )
 from dpserve.rollout.snapshot import SnapshotStore
-from dpserve.rollout.validate import Refused
+from dpserve.rollout.validate import Refused, adapter_as_weights, is_adapter
 from dpserve.rollout.validate_proc import Checker, Job, take_snapshot
 from dpserve.router.fleet.adapters import AdapterVersion
 from dpserve.router.fleet.live import LiveStreams
@@ -168,6 +168,8 @@ class Rollout:
                                "`dpserve router` with --base-model DIR")
         if name is None and self.adapters is not None and self.adapters.adapters.names() \
                 and not options.drop_adapters:
+            if await asyncio.to_thread(is_adapter, checkpoint):  # the 422 that says --name
+                raise adapter_as_weights(checkpoint)
             served = ", ".join(sorted(self.adapters.adapters.names()))
             raise Refused(409, f"LoRA adapters serve on the current weights ({served}); they "
                                "were trained on them, not on this checkpoint. Deploy with "

@@ -43,6 +43,7 @@ from dpserve.checkpoint import (
     checkpoint_kind,
     open_regular,
     read_capped,
+    read_meta,
     sha256_file,
     verify_checkpoint,
 )
@@ -82,6 +83,23 @@ class Refused(Exception):
         self.message = message
         self.param = param
         """The request field at fault (OpenAI's `param`); None for a conflict with state."""
+
+
+def adapter_as_weights(ckpt_dir: str | Path) -> Refused:
+    """The refusal of a LoRA adapter deployed as full weights (without `--name`)."""
+    return refused(422, f"{ckpt_dir}: is a LoRA adapter (kind lora), not full weights; "
+                        "serve it beside the base with `dpserve deploy CHECKPOINT --name "
+                        "NAME` (replicas started with --enable-lora), or fold it into "
+                        "full weights with `dpserve deploy CHECKPOINT --merge`")
+
+
+def is_adapter(ckpt_dir: str | Path) -> bool:
+    """Whether `ckpt_dir`'s manifest says it holds a LoRA adapter (cheap: no hashing;
+    False for anything unreadable, which validation then names)."""
+    try:
+        return checkpoint_kind(read_meta(Path(ckpt_dir))) == "lora"
+    except (CheckpointError, OSError, ValueError):
+        return False
 
 
 def refused(status: int, message: str) -> Refused:
@@ -275,10 +293,7 @@ def validate_checkpoint(ckpt_dir: Path, served: ModelFingerprint,
             raise refused(422, str(exc)) from None
     kind = checkpoint_kind(meta)
     if kind == "lora":  # before any replica is touched: vLLM cannot hot-load an adapter
-        raise refused(422, f"{ckpt_dir}: is a LoRA adapter (kind lora), not full weights; "
-                           "serve it beside the base with `dpserve deploy CHECKPOINT --name "
-                           "NAME` (replicas started with --enable-lora), or fold it into "
-                           "full weights with `dpserve deploy CHECKPOINT --merge`")
+        raise adapter_as_weights(ckpt_dir)
     if kind != "full":
         raise refused(422, f"{ckpt_dir}: holds kind {kind!r} (see extra in {META_FILE}), "
                            "not full weights; this dpserve deploys only kind full")

@@ -283,6 +283,11 @@ async def test_full_weights_under_served_adapters_need_drop_adapters(fake_replic
         status, refused = await deploy(f, checkpoints[0])
         assert status == 409 and refused["error"]["param"] == "drop_adapters"
         assert "assistant" in refused["error"]["message"]
+        # An adapter without --name is no full-weight deploy to drop adapters for.
+        adapter, _ = write_adapter(tiny_model, tmp_path / "adapter")
+        status, refused = await deploy(f, adapter)
+        assert status == 422 and "is a LoRA adapter" in refused["error"]["message"]
+        assert "`dpserve deploy CHECKPOINT --name NAME`" in refused["error"]["message"]
         assert f.deployed.current.version == before and table.current("assistant") is served
         status, record = await deploy(f, checkpoints[0], drop_adapters=True)
         assert status == 202 and record["state"] == "succeeded", record
