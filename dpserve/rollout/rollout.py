@@ -74,7 +74,7 @@ from dpserve.rollout.progress import (
     ReplicaProgress,
 )
 from dpserve.rollout.snapshot import SnapshotStore
-from dpserve.rollout.validate import Refused, adapter_as_weights, is_adapter
+from dpserve.rollout.validate import Refused, adapter_as_weights, is_adapter, named_as
 from dpserve.rollout.validate_proc import Checker, Job, take_snapshot
 from dpserve.router.fleet.adapters import AdapterVersion
 from dpserve.router.fleet.live import LiveStreams
@@ -317,8 +317,8 @@ class Rollout:
             raise Refused(409, f"the served model {served} is not a local directory, so an "
                                "adapter cannot be checked against it")
         snapshot, meta = self._take_snapshot(ckpt_dir)
-        return self.adapters.validate(name, snapshot, meta,
-                                      served_weights=served)
+        with named_as(snapshot, ckpt_dir):
+            return self.adapters.validate(name, snapshot, meta, served_weights=served)
 
     async def _deploy_adapter(self, progress: DeployProgress, target: AdapterVersion,
                               lease: Lease) -> None:

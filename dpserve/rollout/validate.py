@@ -26,10 +26,12 @@ served model. Messages name the file, tensor or key that differs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,17 @@ class Refused(Exception):
         self.message = message
         self.param = param
         """The request field at fault (OpenAI's `param`); None for a conflict with state."""
+
+
+@contextlib.contextmanager
+def named_as(snapshot: Path, ckpt_dir: Path) -> Iterator[None]:
+    """Refusals of a snapshot's check name the checkpoint as its deploy did, not the
+    snapshot's copy of it (a path the user never wrote)."""
+    try:
+        yield
+    except Refused as exc:
+        raise Refused(exc.status, exc.message.replace(str(snapshot), str(ckpt_dir)),
+                      param=exc.param) from None
 
 
 def adapter_as_weights(ckpt_dir: str | Path) -> Refused:

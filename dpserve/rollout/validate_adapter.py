@@ -93,8 +93,11 @@ def validate_adapter(adapter_dir: Path, meta: CheckpointMeta, *, served_base: Pa
         raise refused(422, f"{adapter_dir}: its manifest lacks base_fingerprint, so the "
                            "base it was trained on is unknown")
     if trained_on != served_fingerprint:
-        raise refused(409, f"{adapter_dir}: adapter was trained on base {trained_on[:12]}, "
-                           f"the replicas serve {served_fingerprint[:12]} ({served_base})")
+        named = str(meta.base_model)
+        named = named if len(named) <= 200 else named[:200] + "..."
+        raise refused(409, f"{adapter_dir}: adapter was trained on base {named!r} "
+                           f"(fingerprint {trained_on[:12]}); the replicas serve "
+                           f"{served_base} (fingerprint {served_fingerprint[:12]})")
     if rank > max_lora_rank:
         raise refused(409, f"{adapter_dir}: rank {rank} is above the replicas' "
                            f"--max-lora-rank {max_lora_rank}; start `dpserve serve` with "

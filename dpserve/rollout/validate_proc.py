@@ -32,7 +32,13 @@ from typing import Any
 from dpserve.checkpoint import CheckpointError, CheckpointMeta
 from dpserve.config.settings import without_settings
 from dpserve.rollout.snapshot import OutsideRoot, SnapshotStore
-from dpserve.rollout.validate import Refused, fingerprint, refused, validate_checkpoint
+from dpserve.rollout.validate import (
+    Refused,
+    fingerprint,
+    named_as,
+    refused,
+    validate_checkpoint,
+)
 
 STDERR_TAIL = 2000
 """Characters of a crashed child's stderr kept in the error."""
@@ -69,7 +75,8 @@ def check_full_checkpoint(job: Job) -> tuple[Path, CheckpointMeta]:
     served = fingerprint(base)
     snapshot, meta = take_snapshot(SnapshotStore(Path(job.store)), Path(job.checkpoint),
                                    within=Path(job.within))
-    return snapshot, validate_checkpoint(snapshot, served, meta)
+    with named_as(snapshot, Path(job.checkpoint)):
+        return snapshot, validate_checkpoint(snapshot, served, meta)
 
 
 def take_snapshot(store: SnapshotStore, ckpt_dir: Path, *,

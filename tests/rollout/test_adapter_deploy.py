@@ -97,3 +97,14 @@ def test_replicas_without_adapters_refuse_saying_how_to_start_them():
     with pytest.raises(Refused) as exc:
         d.check_request("support", frozenset())
     assert exc.value.status == 409 and "--enable-lora" in exc.value.message
+
+
+async def test_an_adapter_of_another_base_is_refused_naming_it_as_deployed(
+        fake_replicas, tiny_model, tmp_path):
+    """The check runs on the snapshot's copy; the refusal names the path deployed."""
+    async with fleet(fake_replicas, tiny_model, 2, enable_lora=True) as f:
+        path, _ = write_adapter(tiny_model, tmp_path, extra={"base_fingerprint": "ab" * 32})
+        status, refused = await deploy(f, path, name="support")
+    message = refused["error"]["message"]
+    assert status == 409 and message.startswith(f"{path}: adapter was trained on base "), message
+    assert f.rollout.adapters is not None and not f.rollout.adapters.adapters.in_use

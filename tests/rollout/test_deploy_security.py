@@ -161,6 +161,8 @@ async def test_tensor_offsets_that_do_not_fit_the_file_are_refused(
     async with fleet(fake_replicas, tiny_model, 2) as f:
         status, body = await deploy(f, bad)
     assert status == 422 and says in body["error"]["message"], body
+    # Named as deployed, not as the snapshot copy that was checked.
+    assert body["error"]["message"].startswith(str(bad)), body
     assert all(fake.weights is None for fake in f.fakes)
 
 

@@ -173,8 +173,10 @@ def test_an_adapter_of_another_base_is_a_conflict_naming_both(tiny_model, served
     adapter = write_adapter(tiny_model, tmp_path, extra={"base_fingerprint": other})
     error = refusal(tiny_model, served_fingerprint, adapter)
     assert error.status == 409
-    assert (f"adapter was trained on base {other[:12]}, the replicas serve "
-            f"{served_fingerprint[:12]} ({tiny_model})") in error.message
+    _, meta = adapter
+    assert (f"adapter was trained on base {str(meta.base_model)!r} (fingerprint "
+            f"{other[:12]}); the replicas serve {tiny_model} (fingerprint "
+            f"{served_fingerprint[:12]})") in error.message
 
 
 def test_a_rank_above_the_engines_limit_is_a_conflict_saying_how_to_raise_it(
