@@ -71,10 +71,11 @@ class _Signals:
 
     def _handle(self, sig: int) -> None:
         if self.stop.is_set() and sig == signal.SIGINT:
-            log.warning("second interrupt: not waiting for in-flight requests")
+            log.warning("second interrupt: not waiting for in-flight requests or replicas")
             self._on_force()
         else:
-            log.info("received %s: shutting down", signal.Signals(sig).name)
+            log.info("received %s: shutting down (Ctrl-C again: without waiting)",
+                     signal.Signals(sig).name)
         self.stop.set()
 
     def close(self) -> None:
@@ -216,7 +217,11 @@ async def run_serve(config: ServeConfig, sockets: list[socket.socket] | None = N
     announce_ready(pool, started)
     sockets = listen(config.router) if sockets is None else sockets
     server = uvicorn_server(router, config.router)
-    signals = _Signals(asyncio.get_running_loop(), lambda: setattr(server, "force_exit", True))
+    def force() -> None:  # a second Ctrl-C: in-flight requests and replicas cut now
+        server.force_exit = True
+        supervisor.force()
+
+    signals = _Signals(asyncio.get_running_loop(), force)
     workers: Workers | None = None
     # Read at scrape time: GPUs through NVML where there are any, else the replicas'
     # processes, so one dashboard serves GPU and CPU fleets.

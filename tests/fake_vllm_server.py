@@ -8,6 +8,7 @@ before it becomes healthy. Separate from tests/fakes.py because it is a process
 (what the supervisor starts, watches, signals and kills), not an in-process server.
 
     python tests/fake_vllm_server.py --port P [--fail-after-s S] [--startup-delay-s S]
+        [--ignore-sigterm]
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ async def main() -> None:
     p.add_argument("--served-model-name", default="fake-model")
     p.add_argument("--fail-after-s", type=float)
     p.add_argument("--startup-delay-s", type=float, default=0.0)
+    p.add_argument("--ignore-sigterm", action="store_true",
+                   help="like an engine busy loading: SIGTERM does nothing")
     args, _ = p.parse_known_args()
 
     child = subprocess.Popen(  # noqa: ASYNC220 (a fake; blocking for a moment is fine)
@@ -37,7 +40,8 @@ async def main() -> None:
         child.terminate()
         sys.exit(0)
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown)
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, (lambda: None) if args.ignore_sigterm else shutdown)
     if args.fail_after_s is not None:
         await asyncio.sleep(args.fail_after_s)
         print("RuntimeError: fake engine failed to load the model", flush=True)

@@ -145,6 +145,8 @@ class Supervisor:
         self._config = config
         self._on_restart = on_restart
         self._stopping = False
+        self._forced = asyncio.Event()
+        """Set by `force`: replicas still exiting are killed now."""
         self._client = httpx.AsyncClient()
 
     @property
@@ -192,9 +194,19 @@ class Supervisor:
         for m in self._replicas:
             m.watcher = asyncio.create_task(self._watch(m), name=f"dpserve-watch-{m.spec.id}")
 
+    def force(self) -> None:
+        """Kill now what `stop` is still waiting on (a second Ctrl-C)."""
+        self._forced.set()
+
     async def stop(self) -> None:
-        """Stop every replica: SIGTERM its process group, wait, then SIGKILL."""
+        """Stop every replica: SIGTERM its process group, wait (up to `stop_timeout_s`,
+        or until `force`), then SIGKILL."""
         self._stopping = True
+        running = sum(m.proc is not None and m.proc.returncode is None
+                      for m in self._replicas)
+        if running and not self._forced.is_set():
+            log.info("stopping %d replica(s): up to %g s each to exit, then killed "
+                     "(Ctrl-C again kills them now)", running, self._config.stop_timeout_s)
         for m in self._replicas:
             if m.watcher is not None:
                 m.watcher.cancel()
@@ -320,11 +332,20 @@ class Supervisor:
             return
         if proc.returncode is None:
             _signal_group(proc.pid, signal.SIGTERM)
+            exited = asyncio.ensure_future(proc.wait())
+            forced = asyncio.ensure_future(self._forced.wait())
             try:
-                await asyncio.wait_for(proc.wait(), timeout=self._config.stop_timeout_s)
-            except TimeoutError:
-                log.warning("replica %s: still running %g s after SIGTERM; killing",
-                            m.spec.id, self._config.stop_timeout_s)
+                await asyncio.wait({exited, forced}, timeout=self._config.stop_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                forced.cancel()
+                if not exited.done():
+                    exited.cancel()
+                    if self._forced.is_set():
+                        log.warning("replica %s: killed without waiting", m.spec.id)
+                    else:
+                        log.warning("replica %s: still running %g s after SIGTERM; killing",
+                                    m.spec.id, self._config.stop_timeout_s)
         await self._kill_group(m)
         if m.log_file is not None and self._stopping:
             m.log_file.close()

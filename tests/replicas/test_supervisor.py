@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,22 @@ def test_the_last_log_line_is_what_the_engine_last_printed_without_colours(tmp_p
         f.write("x" * 500 + "\n")
     line = last_log_line(log_path, width=40)
     assert line is not None and len(line) == 40 and line.endswith("...")
+
+
+async def test_stop_says_how_long_it_waits_and_force_kills_at_once(tmp_path, caplog):
+    """Replicas that ignore SIGTERM (an engine busy loading): stop says it waits up to
+    stop_timeout_s and that Ctrl-C again kills now; `force` (that second Ctrl-C) kills
+    them then, long before the timeout."""
+    sup, _ = setup(tmp_path, 2, "--ignore-sigterm", stop_timeout_s=60)
+    await sup.start()
+    pids = sup.pids
+    caplog.set_level(logging.INFO, logger="dpserve.supervisor")
+    stopping = asyncio.create_task(sup.stop())
+    await wait_for(lambda: "stopping 2 replica(s): up to 60 s each to exit, then killed "
+                           "(Ctrl-C again kills them now)" in caplog.text, "stop's notice")
+    started = time.monotonic()
+    sup.force()
+    await asyncio.wait_for(stopping, 30)
+    assert time.monotonic() - started < 20  # not the 60 s
+    assert all(processes_in_group(p) == [] for p in pids.values())
+    assert "replica r0: killed without waiting" in caplog.text
