@@ -13,7 +13,8 @@ window opens, `--weight`% of new requests each. Kinds of trial:
 - **same**: r0 on the weights it serves (labelled a new version for the window): the
   same checkpoint judged against itself;
 - **retrained**: a real deploy (`Rollout.start`, canary options) of one of two
-  checkpoints whose weights differ by noise (equal quality and speed), alternating;
+  checkpoints whose weights differ by noise (equal quality and speed): the one not
+  served;
 - **slow**: r0's engine process group stopped 0.1 s of every 0.2 s for the window
   (SIGSTOP/SIGCONT, `--stall`, half its compute): its TTFT about twice the
   baseline's here (the verdict's own estimate is in each row);
@@ -54,11 +55,13 @@ from benchmarks.deploy.canary_baseline import payloads, threshold_rule
 from benchmarks.deploy.rollout import make_checkpoints
 from dpserve.replicas.launcher import free_port
 from dpserve.rollout.canary_phase import pick_baseline, window
+from dpserve.rollout.deployed import weights_for
 from dpserve.rollout.engine_admin import EngineAdmin
 from dpserve.rollout.progress import DeployOptions
 from dpserve.router.fleet.breaker import Outcome
 from dpserve.router.routing.canary import CanarySplit, Sample, baseline_weight
 from dpserve.router.routing.canary_verdict import NOT_WORSE, judge
+from dpserve.router.routing.dispatch import Dispatcher, Slot
 from dpserve.tinymodel import build_tiny_model
 from loadtest.arrivals import arrival_offsets
 from loadtest.client import ENDPOINT_PATHS
@@ -72,20 +75,41 @@ BAD = {"slow", "failing"}
 
 
 _record = CanarySplit.record
+_enter, _finished = Slot.__enter__, Dispatcher._finished
+_depths: dict[int, int] = {}
+"""In flight on its replica (from this router) when each slot was taken, by id(slot)."""
+_depth: list[int | None] = [None]
+"""The depth of the slot being recorded now."""
 
 
 def _recording(self: CanarySplit, replica_id: str, outcome: Outcome,
                first_byte_s: float | None, size: int = 0, prefill: int | None = None
                ) -> None:
     """Every attempt a split records, kept raw (`raw`) so that a window can be judged
-    again later at any look, by any rule (`--replay`)."""
+    again later at any look, by any rule (`--replay`); with what the product does not
+    record (yet): how many requests were in flight on the replica when it was sent."""
     raw = self.__dict__.setdefault("raw", [])
     raw.append([round(time.monotonic() - self.opened, 4), replica_id, outcome.value,
-                first_byte_s, size, prefill])
+                first_byte_s, size, prefill, _depth[0]])
     _record(self, replica_id, outcome, first_byte_s, size, prefill)
 
 
+def _entering(self: Slot) -> Slot:
+    _depths[id(self)] = self.replica.in_flight
+    return _enter(self)
+
+
+def _finishing(self: Dispatcher, slot: Slot) -> None:
+    _depth[0] = _depths.pop(id(slot), None)
+    try:
+        _finished(self, slot)
+    finally:
+        _depth[0] = None
+
+
 CanarySplit.record = _recording  # type: ignore[method-assign]
+Slot.__enter__ = _entering  # type: ignore[method-assign]
+Dispatcher._finished = _finishing  # type: ignore[method-assign]
 
 
 def replay(raw: list[list[Any]], spec: dict[str, Any], until_s: float) -> CanarySplit:
@@ -94,11 +118,11 @@ def replay(raw: list[list[Any]], spec: dict[str, Any], until_s: float) -> Canary
     split = CanarySplit(spec["replica"], spec["weight"], baseline_id=spec["baseline"],
                         baseline_weight_pct=spec["baseline_weight"], opened=0.0,
                         clock=lambda: clock[0])
-    for at, replica_id, outcome, first_byte_s, size, *prefill in raw:  # older rows: 5
+    for at, replica_id, outcome, first_byte_s, size, *more in raw:  # older rows: 5, 6
         if at > until_s:
             break
         clock[0] = at
-        _record(split, replica_id, Outcome(outcome), first_byte_s, size, *prefill)
+        _record(split, replica_id, Outcome(outcome), first_byte_s, size, *more[:1])
     return split
 
 
@@ -314,7 +338,6 @@ async def main(args: argparse.Namespace) -> int:
                 r.url = proxies.get(r.id, r.url)
         found: list[CanarySplit] = []
         watching = asyncio.create_task(capture(f.rollout.traffic, found))
-        deploys = 0
         try:
             for load in args.loads.split(","):
                 stop = asyncio.Event()
@@ -334,10 +357,12 @@ async def main(args: argparse.Namespace) -> int:
                         for kind in kinds:
                             await asyncio.sleep(SETTLE_S if last in BAD else STEADY_S)
                             last = kind
-                            if kind == "retrained":
-                                row = await deploy_trial(f, options,
-                                                         checkpoints[deploys % 2], found)
-                                deploys += 1
+                            if kind == "retrained":  # the one not served (after a
+                                # rollback, the one deployed before stays served)
+                                served = f.rollout.deployed_version()
+                                fresh = [c for c in checkpoints
+                                         if weights_for(str(c)).version != served]
+                                row = await deploy_trial(f, options, fresh[0], found)
                             else:
                                 row = await window_trial(f, client, options, kind, proxies,
                                                          args.stall, args.baseline)

@@ -212,11 +212,14 @@ async def test_stop_says_how_long_it_waits_and_force_kills_at_once(tmp_path, cap
     pids = sup.pids
     caplog.set_level(logging.INFO, logger="dpserve.supervisor")
     stopping = asyncio.create_task(sup.stop())
-    await wait_for(lambda: "stopping 2 replica(s): up to 60 s each to exit, then killed "
-                           "(Ctrl-C again kills them now)" in caplog.text, "stop's notice")
-    started = time.monotonic()
-    sup.force()
-    await asyncio.wait_for(stopping, 30)
+    try:
+        await wait_for(lambda: "stopping 2 replica(s): up to 60 s each to exit, then "
+                               "killed (Ctrl-C again kills them now)" in caplog.text,
+                       "stop's notice")
+        started = time.monotonic()
+    finally:  # whatever failed above: nothing left behind
+        sup.force()
+        await asyncio.wait_for(stopping, 30)
     assert time.monotonic() - started < 20  # not the 60 s
     assert all(processes_in_group(p) == [] for p in pids.values())
     assert "replica r0: killed without waiting" in caplog.text
