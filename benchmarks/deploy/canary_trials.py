@@ -321,6 +321,9 @@ def replay_file(path: str, options: DeployOptions) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
+    main_task = asyncio.current_task()
+    assert main_task is not None  # SIGTERM: cancelled, so the fleet and proxies are stopped
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     work = Path(tempfile.mkdtemp(prefix="canary-trials-"))
     model = build_tiny_model(Path(args.model))
     checkpoints = make_checkpoints(model, work / "checkpoints")
