@@ -199,18 +199,23 @@ def verdict_line(v: dict[str, Any]) -> str:
 
 
 def _quality_line(q: dict[str, Any]) -> str:
+    """The eval's outcome in one line: `quality gate failed: exact_match 0.5 for the new
+    version against 1 for the current one over 20 examples, a difference of -0.5 (95%
+    interval -0.75..-0.25; two runs of one version differed by up to 0)`."""
     metric = q["metric"]
-    line = "eval " + " · ".join(
-        f"{who} {q[who][metric]:.4g} {metric} ({q[who]['exact_match']:.0%} exact, "
-        f"mean log-prob {q[who]['mean_logprob']:.3f}, {q[who]['examples']} examples)"
-        for who in ("candidate", "current") if q.get(who))
-    c = q.get("comparison")
+    head = ("quality gate " + ("passed" if q["passed"] else "failed") if "passed" in q
+            else "eval (not a gate)")
+    new, current, c = q.get("candidate"), q.get("current"), q.get("comparison")
+    if not new:
+        return f"{head}: scoring the new version on {q.get('eval_data', 'the eval set')}"
+    line = (f"{head}: {metric} {new[metric]:.4g} for the new version"
+            + (f" against {current[metric]:.4g} for the current one" if current else "")
+            + f" over {new['examples']} examples")
     if c:
-        line += (f"; difference {c['difference']:+.4g} ({c['confidence']:.0%} "
-                 f"{c['low']:+.4g}..{c['high']:+.4g}, runs spread {c['spread']:.4g} over "
-                 f"{c['repeats']})")
-    if "passed" in q:
-        line += "; gate " + ("passed" if q["passed"] else "failed")
+        runs = "one run" if c["repeats"] == 1 else f"{c['repeats']} runs"
+        line += (f", a difference of {c['difference']:+.4g} ({c['confidence']:.0%} interval "
+                 f"{c['low']:+.4g}..{c['high']:+.4g}; {runs} of one version differed by up "
+                 f"to {c['spread']:.4g})")
     return line
 
 

@@ -385,9 +385,9 @@ def test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpo
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "succeeded in" in cli.stdout
     assert "r0   done" in cli.stdout and "r1   done" in cli.stdout
-    gate = [ln for ln in cli.stdout.splitlines() if ln.strip().startswith("eval candidate")]
-    assert gate and gate[-1].endswith("; gate passed"), cli.stdout
-    assert "45 examples" in gate[-1] and " · current " in gate[-1]
+    gate = [ln for ln in cli.stdout.splitlines() if ln.strip().startswith("quality gate")]
+    assert gate and gate[-1].strip().startswith("quality gate passed: "), cli.stdout
+    assert "45 examples" in gate[-1] and " for the current one " in gate[-1]
     assert load.failures == [] and served_during > 0
     assert f.versions() == [version, version] and f.all_ready()
     metrics = httpx.get(f.d.base_url + "/metrics").text

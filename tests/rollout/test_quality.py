@@ -171,6 +171,6 @@ async def test_dpserve_deploy_prints_the_scores_and_the_verdict(fake_replicas, t
     text = out.getvalue()
     assert "gate failed" in status.getvalue().splitlines()[-1]  # `dpserve status`
     assert code == 1 and "rolled_back after" in text
-    assert ("eval candidate 0 exact_match (0% exact, mean log-prob -3.000, 20 examples) · "
-            "current 1 exact_match (100% exact, mean log-prob -0.100, 20 examples); "
-            "difference -1 (95% -1..-1, runs spread 0 over 2); gate failed") in text
+    assert ("quality gate failed: exact_match 0 for the new version against 1 for the "
+            "current one over 20 examples, a difference of -1 (95% interval -1..-1; 2 runs "
+            "of one version differed by up to 0)") in text
