@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import httpx
 
 from dpserve.config import ServeConfig
 from dpserve.replicas.launcher import ReplicaSpec, argv_with_model, engine_environment
+from dpserve.replicas.startup import OUR_HEADER, log_end, read_phase
 from dpserve.rollout.deployed import Deployed
 from dpserve.router.fleet.pool import ReplicaPool, ReplicaState
 
@@ -70,37 +70,10 @@ def restart_delay(failures: int, base: float, cap: float) -> float:
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
-        data = _log_end(path)
+        data = log_end(path)
     except OSError as exc:
         return f"(log unreadable: {exc})"
     return "\n".join(data.splitlines()[-lines:]) or "(log is empty)"
-
-
-_OUR_HEADER = "===== dpserve:"
-_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def last_log_line(path: Path, width: int = 160) -> str | None:
-    """The last non-blank line of a replica's own output (a progress bar's latest state
-    too: a carriage return ends a line), without colour codes, cut to `width`; None
-    before it has written any."""
-    try:
-        data = _log_end(path, 8 * 1024)
-    except OSError:
-        return None
-    lines = [s for s in (_ESCAPES.sub("", line).strip() for line in data.splitlines())
-             if s and not s.startswith(_OUR_HEADER)]
-    if not lines:
-        return None
-    last = lines[-1]
-    return last if len(last) <= width else last[:width - 3] + "..."
-
-
-def _log_end(path: Path, size: int = 64 * 1024) -> str:
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - size))
-        return f.read().decode("utf-8", "replace")
 
 
 def _die_with_parent() -> None:
@@ -227,7 +200,7 @@ class Supervisor:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if m.log_file is None:
             m.log_file = spec.log_path.open("ab")
-        m.log_file.write(f"\n{_OUR_HEADER} starting {spec.id} on {spec.device}: "
+        m.log_file.write(f"\n{OUR_HEADER} starting {spec.id} on {spec.device}: "
                          f"{' '.join(argv)}\n".encode())
         m.log_file.flush()
         m.ready.clear()
@@ -253,9 +226,9 @@ class Supervisor:
         while True:
             if time.monotonic() >= next_note:
                 next_note += self._still_starting_every_s
-                last = await asyncio.to_thread(last_log_line, m.spec.log_path)
-                log.info("replica %s: still starting after %.0f s%s", m.spec.id,
-                         time.monotonic() - m.started_at, f"; its log: {last}" if last else "")
+                phase = await asyncio.to_thread(read_phase, m.spec.log_path)
+                log.info("replica %s: still starting after %.0f s: %s (log: %s)", m.spec.id,
+                         time.monotonic() - m.started_at, phase, m.spec.log_path)
             if proc.returncode is not None:
                 raise ReplicaStartError(m.spec.id, f"process exited with code {proc.returncode}",
                                         m.spec.log_path)
