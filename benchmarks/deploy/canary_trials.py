@@ -78,8 +78,8 @@ _record = CanarySplit.record
 _enter, _finished = Slot.__enter__, Dispatcher._finished
 _depths: dict[int, int] = {}
 """In flight on its replica (from this router) when each slot was taken, by id(slot)."""
-_depth: list[int | None] = [None]
-"""The depth of the slot being recorded now."""
+_attempt: list[tuple[int | None, float | None]] = [(None, None)]
+"""The slot being recorded now: its depth, and seconds from taking it to leaving it."""
 
 
 def _recording(self: CanarySplit, replica_id: str, outcome: Outcome,
@@ -87,10 +87,13 @@ def _recording(self: CanarySplit, replica_id: str, outcome: Outcome,
                ) -> None:
     """Every attempt a split records, kept raw (`raw`) so that a window can be judged
     again later at any look, by any rule (`--replay`); with what the product does not
-    record (yet): how many requests were in flight on the replica when it was sent."""
+    record (yet): how many requests were in flight on the replica when it was sent,
+    and how long the attempt took to its last byte."""
     raw = self.__dict__.setdefault("raw", [])
+    depth, took = _attempt[0]
     raw.append([round(time.monotonic() - self.opened, 4), replica_id, outcome.value,
-                first_byte_s, size, prefill, _depth[0]])
+                first_byte_s, size, prefill, depth,
+                None if took is None else round(took, 4)])
     _record(self, replica_id, outcome, first_byte_s, size, prefill)
 
 
@@ -100,11 +103,11 @@ def _entering(self: Slot) -> Slot:
 
 
 def _finishing(self: Dispatcher, slot: Slot) -> None:
-    _depth[0] = _depths.pop(id(slot), None)
+    _attempt[0] = (_depths.pop(id(slot), None), time.monotonic() - slot.started)
     try:
         _finished(self, slot)
     finally:
-        _depth[0] = None
+        _attempt[0] = (None, None)
 
 
 CanarySplit.record = _recording  # type: ignore[method-assign]
@@ -118,7 +121,7 @@ def replay(raw: list[list[Any]], spec: dict[str, Any], until_s: float) -> Canary
     split = CanarySplit(spec["replica"], spec["weight"], baseline_id=spec["baseline"],
                         baseline_weight_pct=spec["baseline_weight"], opened=0.0,
                         clock=lambda: clock[0])
-    for at, replica_id, outcome, first_byte_s, size, *more in raw:  # older rows: 5, 6
+    for at, replica_id, outcome, first_byte_s, size, *more in raw:  # older rows: 5-7
         if at > until_s:
             break
         clock[0] = at
