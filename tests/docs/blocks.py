@@ -14,6 +14,11 @@ preceded by one marker line (an HTML comment, invisible on GitHub):
 - `<!-- docs: illustration -->` — placeholders (`/models/my-model`, other hosts, a
   cluster): its commands are parsed, nothing else.
 
+A ```text block marked `<!-- docs: output -->` right after a run block is what that
+block prints: each of its lines must be printed, in order (other lines may come
+between), with its words and layout as shown and its numbers free to differ
+(`matches`). Output shown without the marker is a real run's, not checked.
+
 The scratch directory of a run block links `.venv`, `build`, `dpserve`, `loadtest`
 and `benchmarks` to the repository's, so the relative paths the docs use resolve,
 and its own `runs/` takes what the commands write. Nothing else is substituted.
@@ -21,6 +26,7 @@ and its own `runs/` takes what the commands write. Nothing else is substituted.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"^<!-- docs: (run|checked|illustration)(?:: (.+?))? -->$")
+OUTPUT = "<!-- docs: output -->"
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class Block:
     """run, checked or illustration; None: no marker (a test fails on it)."""
     reason: str
     text: str
+    output: str | None = None
+    """The ```text block marked as what this block prints, if one follows."""
 
     @property
     def where(self) -> str:
@@ -77,15 +87,45 @@ def blocks(doc: Path) -> list[Block]:
             continue
         language, start = lines[i][3:].strip(), i
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        above = lines[start - 1].strip() if start else ""
         if language in SHELL:
-            above = lines[start - 1].strip() if start else ""
             marker = MARKER.match(above)
             found.append(Block(str(doc.relative_to(ROOT)), start + 1, language,
                                marker.group(1) if marker else None,
                                (marker.group(2) or "") if marker else "",
                                "\n".join(lines[start + 1:end])))
+        elif above == OUTPUT:
+            shown = "\n".join(lines[start + 1:end])
+            before = found[-1] if found else None
+            if before is None or before.kind != "run" or any(
+                    line.strip() and line.strip() != OUTPUT
+                    for line in lines[before.line + before.text.count("\n") + 2:start]):
+                raise ValueError(f"{doc}:{start + 1}: {OUTPUT} follows no run block")
+            found[-1] = dataclasses.replace(before, output=shown)
         i = end + 1
     return found
+
+
+def matches(shown: str, printed: str) -> list[str]:
+    """The lines of `shown` not found in `printed`, in order: each must match a later
+    printed line than the one before it, word for word, its numbers free (a run of
+    spaces matches any, so columns may widen with their numbers)."""
+    out = [line.rstrip() for line in printed.splitlines()]
+    at, missing = 0, []
+    for line in (s.rstrip() for s in shown.splitlines()):
+        if not line.strip():
+            continue
+        pattern = re.compile("".join(
+            r"\s+" if part.isspace() else r"\d[\d,]*(?:\.\d+)?" if NUMBER.fullmatch(part)
+            else re.escape(part)
+            for part in re.split(r"(\s+|\d[\d,]*(?:\.\d+)?)", line.strip()) if part))
+        found = next((i for i in range(at, len(out)) if pattern.fullmatch(out[i].strip())),
+                     None)
+        if found is None:
+            missing.append(line)
+        else:
+            at = found + 1
+    return missing
 
 
 def all_blocks() -> list[Block]:

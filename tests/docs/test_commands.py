@@ -15,7 +15,7 @@ import pytest
 
 from dpserve.cli import build_parser
 from loadtest.cli import build_parser as loadtest_parser
-from tests.docs.blocks import DOCS, ROOT, Block, all_blocks
+from tests.docs.blocks import DOCS, ROOT, Block, all_blocks, blocks, matches
 
 COMMAND = re.compile(r"(?:^|^\$ |\S/|\s--\s)(dpserve|python -m loadtest)\s+(.*)$")
 INPUTS = {"dpserve": ("--model", "--data", "--eval-data", "--eval"),
@@ -132,3 +132,19 @@ def test_every_command_the_docs_show_is_run_by_a_named_test():
         path, name = where.split("::")
         source = (ROOT / path).read_text(encoding="utf-8")
         assert re.search(rf"^(async )?def {name}\(", source, re.M), f"{where} does not exist"
+
+
+def test_shown_output_matches_word_for_word_with_its_numbers_free():
+    printed = ("noise\n  ddp                       139.72 GiB  does NOT fit\n"
+               "  zero1     87.37 GiB  does NOT fit\nstep 10/20 loss 6.4697\n")
+    assert matches("ddp   125.74 GiB  does NOT fit\nzero1 73.39 GiB  does NOT fit", printed) == []
+    assert matches("zero1 1 GiB does NOT fit\nddp 2 GiB does NOT fit", printed) == [
+        "ddp 2 GiB does NOT fit"]  # in order
+    assert matches("ddp 139.72 GiB  fits", printed) == ["ddp 139.72 GiB  fits"]  # words count
+    assert matches("step 10/20 loss 6.5", printed) == []
+    assert matches("step 10/20 loss", printed) == ["step 10/20 loss"]  # whole lines
+
+
+def test_every_shown_output_follows_a_block_that_is_run():
+    for doc in DOCS:  # blocks() refuses an output marker after anything else
+        blocks(doc)

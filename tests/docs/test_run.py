@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.blocks import ROOT, Block, all_blocks
+from tests.docs.blocks import ROOT, Block, all_blocks, matches
 
 RUN = [b for b in all_blocks() if b.kind == "run"]
 BLOCK_TIMEOUT_S = 600
@@ -44,3 +44,8 @@ def test_a_run_block_runs_as_written(block: Block, tiny_model: Path, tmp_path: P
     assert done.returncode == 0, (
         f"{block.where} exited {done.returncode}:\n{block.script()}\n--- output (end) ---\n"
         f"{(done.stdout + done.stderr)[-3000:]}")
+    if block.output is not None:  # what the docs say it prints
+        missing = matches(block.output, done.stdout + "\n" + done.stderr)
+        assert not missing, (f"{block.where}: the docs show lines it did not print:\n"
+                             + "\n".join(missing) + "\n--- it printed ---\n"
+                             + (done.stdout + done.stderr)[-3000:])
