@@ -65,6 +65,10 @@ class FinetuneConfig:
     """Complete checkpoints kept; older ones are deleted after each save."""
     resume: bool = False
     """Continue from the newest complete checkpoint in `output`."""
+    resume_changes: bool = False
+    """With --resume: continue although settings that shape the optimisation (global
+    batch, learning-rate schedule, sequence length, seed) differ from the run's; without
+    it such a resume is refused, naming them."""
     seed: int = 0
     """Seeds initialisation-independent randomness: data order, dropout."""
     log_every: int = 10
@@ -108,6 +112,20 @@ class FinetuneConfig:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SHAPING = ("global_batch", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "epochs",
+           "weight_decay", "max_grad_norm", "max_seq_len", "seed")
+"""What a resumed run must keep to continue the same optimisation (the micro-batch,
+accumulation and world size may change as long as their product, the global batch,
+does not: DCP reshards the state)."""
+
+
+def shaping(cfg: FinetuneConfig, world_size: int) -> dict[str, Any]:
+    """The settings in SHAPING of a run of `cfg` on `world_size` ranks (saved with each
+    checkpoint, compared on --resume)."""
+    values = {name: getattr(cfg, name) for name in SHAPING if name != "global_batch"}
+    return {"global_batch": cfg.micro_batch_size * cfg.grad_accum * world_size, **values}
 
 
 LAUNCH_ONLY = frozenset({"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dpserve import checkpoint as ckpt
 from dpserve.config import ConfigError
-from dpserve.finetune.config import FinetuneConfig, lora_targets, training_argv
+from dpserve.finetune.config import FinetuneConfig, lora_targets, shaping, training_argv
 from dpserve.finetune.progress import fmt_duration
 from dpserve.replicas.launcher import visible_gpus
 
@@ -32,7 +32,7 @@ class PreflightError(RuntimeError):
     """The run cannot start; the message says why and what to do."""
 
 
-def preflight(cfg: FinetuneConfig) -> None:
+def preflight(cfg: FinetuneConfig, world_size: int) -> None:
     from transformers import AutoTokenizer
 
     from dpserve.finetune.data import load_dataset
@@ -58,7 +58,7 @@ def preflight(cfg: FinetuneConfig) -> None:
         load_dataset(Path(path), tokenizer, max_seq_len=cfg.max_seq_len)  # raises DataError
     _check_output(Path(cfg.output), resume=cfg.resume)
     if cfg.resume:
-        _check_resumable(cfg)
+        _check_resumable(cfg, world_size)
 
 
 def _check_output(output: Path, *, resume: bool) -> None:
@@ -75,9 +75,10 @@ def _check_output(output: Path, *, resume: bool) -> None:
             "newest); pass --resume to continue from it, or choose a new --output")
 
 
-def _check_resumable(cfg: FinetuneConfig) -> None:
+def _check_resumable(cfg: FinetuneConfig, world_size: int) -> None:
     """A resume continues the run's own kind of training state: the same strategy (an
-    fsdp state is sharded per rank, a ddp one is whole) and LoRA or not."""
+    fsdp state is sharded per rank, a ddp one is whole) and LoRA or not, and the same
+    optimisation (`_check_shaping`)."""
     latest = ckpt.latest_checkpoint(Path(cfg.output), with_train_state=True)
     if latest is None:
         return
@@ -98,6 +99,35 @@ def _check_resumable(cfg: FinetuneConfig) -> None:
             check_resumable(ckpt.read_meta(latest), cfg)
         except LoraError as exc:
             raise PreflightError(str(exc)) from None
+    _check_shaping(latest, extra.get("run"), cfg, world_size)
+
+
+def _check_shaping(latest: Path, saved: object, cfg: FinetuneConfig, world_size: int) -> None:
+    """Refuse a resume whose settings would change the run's optimisation (a smaller
+    global batch, another schedule) unless --resume-changes says so; say what changed
+    either way. Checkpoints written before the settings were saved are not checked."""
+    if not isinstance(saved, dict):
+        return
+    now = shaping(cfg, world_size)
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    if not changed:
+        return
+
+    def flag(name: str) -> str:
+        if name == "global_batch":
+            return ("global batch (--micro-batch-size x --grad-accum x ranks: "
+                    f"{cfg.micro_batch_size} x {cfg.grad_accum} x {world_size} now)")
+        return "--" + name.replace("_", "-")
+
+    listed = "; ".join(f"{flag(k)} {was} in the run, {new} now"
+                       for k, (was, new) in changed.items())
+    if not cfg.resume_changes:
+        raise PreflightError(
+            f"resume: {latest} was trained with other settings: {listed}. Repeat the "
+            "run's settings to continue it as it was, or pass --resume-changes to "
+            "continue with these")
+    print(f"dpserve finetune: resuming {latest} with changed settings (--resume-changes): "
+          f"{listed}", flush=True)
 
 
 def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
@@ -119,14 +149,14 @@ def run_finetune(cfg: FinetuneConfig) -> int:
 
     if Path(cfg.model).is_dir():  # checkpoints name their base: absolute, valid anywhere
         cfg = dataclasses.replace(cfg, model=str(Path(cfg.model).absolute()))
-    try:
-        preflight(cfg)
-    except (PreflightError, DataError, ckpt.CheckpointError) as exc:
-        print(f"dpserve finetune: {exc}", file=sys.stderr)
-        return 2
     nproc = cfg.nproc_per_node or len(visible_gpus()) or DEFAULT_CPU_PROCS
     if nproc < 1:
         raise ConfigError("nproc_per_node: must be >= 1")
+    try:
+        preflight(cfg, nproc * cfg.nnodes)
+    except (PreflightError, DataError, ckpt.CheckpointError) as exc:
+        print(f"dpserve finetune: {exc}", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(cfg, nproc)]
     print(f"dpserve finetune: {' '.join(cmd[1:])}", flush=True)
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dpserve import checkpoint as ckpt
-from dpserve.finetune.config import FinetuneConfig
+from dpserve.finetune.config import FinetuneConfig, shaping
 from dpserve.finetune.dist import Dist
 from dpserve.finetune.strategy import Parallel, full_tensors, tensor_sizes
 from dpserve.finetune.weights import copy_tokenizer_files, plan_files, write_config, write_weights
@@ -95,7 +95,8 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
                 copy_tokenizer_files(cfg.model, tmp, tokenizer)
 
         extra: dict[str, Any] = {"lr": scheduler.get_last_lr()[0], "epoch": epoch,
-                                 "strategy": par.strategy.name}
+                                 "strategy": par.strategy.name,
+                                 "run": shaping(cfg, d.world_size)}
         if lora:
             extra.update(lora_mod.adapter_meta_extra(cfg, fingerprint=base_fingerprint))
         path = ckpt.write_checkpoint(output, step, write_model, base_model=cfg.model,
