@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import json
 import math
 import os
@@ -277,9 +279,16 @@ def start_proxies(f: Fleet) -> tuple[dict[str, str], list[subprocess.Popen[bytes
         port = free_port()
         upstream = r.url.removeprefix("http://").rstrip("/")
         procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.common.fault_proxy",
-                                       "--port", str(port), "--upstream", upstream]))
+                                       "--port", str(port), "--upstream", upstream],
+                                      preexec_fn=_die_with_parent))
         urls[r.id] = f"http://127.0.0.1:{port}"
     return urls, procs
+
+
+def _die_with_parent() -> None:
+    """In a fault proxy before exec: SIGTERM when this benchmark dies, however it ends."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> str:
