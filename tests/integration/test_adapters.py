@@ -115,7 +115,7 @@ def test_refused_adapters_change_nothing(fleet: Fleet) -> None:
         base_model=str(fleet.base), loss=1.0, world_size=1,
         extra={**ckpt.read_meta(fleet.v1).extra, "base_fingerprint": "0" * 64})
     cases = [
-        ((str(other_base / "step-000006"), "--name", "support"), "trained on base 000000000000"),
+        ((str(other_base / "step-000006"), "--name", "support"), "fingerprint 000000000000"),
         ((str(fleet.rank16), "--name", "support"), "--max-lora-rank"),
         ((str(fleet.v1), "--name", MODEL_NAME), "the served base model's name"),
         ((str(fleet.v1),), "--name NAME"),  # an adapter where full weights are expected
