@@ -438,7 +438,8 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
             try:
                 wait_for_sync(r1_draining, "r0 reloaded and r1 draining", within_s=120)
             except AssertionError as exc:
-                raise AssertionError(f"{exc} (phases seen: {seen})") from None
+                raise AssertionError(f"{exc} (phases seen: {seen}; "
+                                     f"record: {deploy_record(f, deploy_id)})") from None
             last: list[dict[str, Any]] = []
 
             def only_held() -> bool:
