@@ -145,6 +145,10 @@ def test_shown_output_matches_word_for_word_with_its_numbers_free():
     assert matches("step 10/20 loss", printed) == ["step 10/20 loss"]  # whole lines
 
 
-def test_every_shown_output_follows_a_block_that_is_run():
+def test_every_shown_output_follows_a_block_that_is_run(tmp_path):
     for doc in DOCS:  # blocks() refuses an output marker after anything else
         blocks(doc)
+    stray = tmp_path / "stray.md"
+    stray.write_text("Some prose.\n\n<!-- docs: output -->\n```text\nhello\n```\n")
+    with pytest.raises(ValueError, match="follows no run block"):
+        blocks(stray)
