@@ -413,13 +413,31 @@ def test_an_engine_killed_mid_rollout_is_rolled_back_and_restarts_on_the_deploye
     # when its turn comes: once the socket buffers are full the router cannot finish it,
     # however fast the engine generates.
     admin.post("/admin/replicas/r0/drain")
+    r1_url = f.replicas()[1]["url"]
+    generated = replica_metric(r1_url, "vllm:generation_tokens_total")
+    held_tokens, held_n = LONG_CONTEXT - 8, 24
     held = UnreadStream(base, {
-        "model": MODEL_NAME, "prompt": "Once", "max_tokens": LONG_CONTEXT - 8, "n": 24,
+        "model": MODEL_NAME, "prompt": "Once", "max_tokens": held_tokens, "n": held_n,
         "logprobs": 20, "ignore_eos": True, "stream": True})
     wait_for_sync(lambda: f.replicas()[1]["in_flight"] == 1, "the held stream to start on r1",
                   within_s=30)
+    # The engine generates the held reply whole (about a minute on CPU) before the deploy
+    # starts. Meanwhile r1's server answers nothing else for tens of seconds (its output
+    # loop works through the reply's logprobs), and the deploy's canary on r1's old
+    # weights would time out: a rollback before anything is killed. What is generated
+    # and not yet sent waits in the engine's process, so the kill still cuts the stream.
+
+    def held_generated() -> bool:
+        try:
+            now = replica_metric(r1_url, "vllm:generation_tokens_total")
+        except httpx.TimeoutException:  # its server is that busy
+            return False
+        return now - generated >= held_tokens * held_n
+    wait_for_sync(held_generated, "r1's engine to generate the held reply", within_s=300,
+                  every_s=1.0)
     admin.post("/admin/replicas/r0/undrain")
-    wait_for_sync(f.all_ready, "r0 back in rotation", within_s=30)
+    # r1 may have missed health checks while it generated
+    wait_for_sync(f.all_ready, "both replicas in rotation", within_s=60)
     r1_pid, _ = f.d.replicas()["r1"]
 
     try:
