@@ -190,7 +190,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         return 0
 
     if ns.command == "finetune":
-        from dpserve.finetune.config import build_finetune_config
+        from dpserve.finetune.config import build_finetune_config, given_settings
         from dpserve.finetune.launch import run_finetune
 
         if ns.plan:
@@ -198,7 +198,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
 
             return run_plan(build_finetune_config(ns, plan_only=True), ns.device_memory_gib,
                             ns.plan_device)
-        return run_finetune(build_finetune_config(ns))
+        return run_finetune(build_finetune_config(ns), given_settings(ns))
 
     # The serving stack (uvicorn, starlette, OpenTelemetry) only now: a machine set up
     # to fine-tune or to build the tiny model needs none of it.

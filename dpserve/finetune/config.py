@@ -19,6 +19,7 @@ from typing import Any
 
 from dpserve.config import ConfigError, load_yaml, resolve
 from dpserve.config.flags import add_setting_flags
+from dpserve.config.settings import ENV_PREFIX
 from dpserve.finetune.sharding import STRATEGIES, StrategyName
 
 
@@ -64,11 +65,12 @@ class FinetuneConfig:
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted after each save."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in `output`."""
+    """Continue from the newest complete checkpoint in `output`, with the run's settings
+    where none is given."""
     resume_changes: bool = False
-    """With --resume: continue although settings that shape the optimisation (global
-    batch, learning-rate schedule, sequence length, seed) differ from the run's; without
-    it such a resume is refused, naming them."""
+    """With --resume: continue although settings given that shape the optimisation
+    (global batch, learning-rate schedule, sequence length, seed) differ from the run's;
+    without it such a resume is refused, naming them."""
     seed: int = 0
     """Seeds initialisation-independent randomness: data order, dropout."""
     log_every: int = 10
@@ -162,18 +164,35 @@ def build_finetune_config(
     *, plan_only: bool = False,
 ) -> FinetuneConfig:
     """The validated settings; `plan_only` (for `--plan`) needs no data or output."""
-    flags = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
+    flags, file_values = _sources(ns)
     if plan_only:
         flags["data"] = flags.get("data") or ""
         flags["output"] = flags.get("output") or ""
-    file_values = load_yaml(flags.pop("config", None))
-    file_values = dict(file_values.get("finetune", file_values))
-    names = {f.name for f in fields(FinetuneConfig)}
-    flags = {k: v for k, v in flags.items() if k in names}
     cfg = resolve(FinetuneConfig, flags, file_values, os.environ if env is None else env,
                   prefix="")
     _validate(cfg, plan_only=plan_only)
     return cfg
+
+
+def given_settings(ns: argparse.Namespace | Mapping[str, Any],
+                   env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The settings given a value (a flag, DPSERVE_<NAME> or the config file), not left
+    to their defaults: what a resume does not take from the run it continues."""
+    flags, file_values = _sources(ns)
+    env = os.environ if env is None else env
+    return frozenset(name for name in (f.name for f in fields(FinetuneConfig))
+                     if flags.get(name) is not None or name in file_values
+                     or ENV_PREFIX + name.upper() in env)
+
+
+def _sources(ns: argparse.Namespace | Mapping[str, Any]
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the flags that are settings, the config file's values)."""
+    flags = dict(vars(ns) if isinstance(ns, argparse.Namespace) else ns)
+    file_values = load_yaml(flags.pop("config", None))
+    file_values = dict(file_values.get("finetune", file_values))
+    names = {f.name for f in fields(FinetuneConfig)}
+    return {k: v for k, v in flags.items() if k in names}, file_values
 
 
 def _check(ok: bool, name: str, message: str, value: Any) -> None:

@@ -17,11 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from dpserve import checkpoint as ckpt
 from dpserve.config import ConfigError
-from dpserve.finetune.config import FinetuneConfig, lora_targets, shaping, training_argv
+from dpserve.finetune import resume
+from dpserve.finetune.config import FinetuneConfig, lora_targets, training_argv
 from dpserve.finetune.progress import fmt_duration
 from dpserve.replicas.launcher import visible_gpus
 
@@ -58,7 +60,7 @@ def preflight(cfg: FinetuneConfig, world_size: int) -> None:
         load_dataset(Path(path), tokenizer, max_seq_len=cfg.max_seq_len)  # raises DataError
     _check_output(Path(cfg.output), resume=cfg.resume)
     if cfg.resume:
-        _check_resumable(cfg, world_size)
+        resume.check(cfg, world_size)
 
 
 def _check_output(output: Path, *, resume: bool) -> None:
@@ -75,61 +77,6 @@ def _check_output(output: Path, *, resume: bool) -> None:
             "newest); pass --resume to continue from it, or choose a new --output")
 
 
-def _check_resumable(cfg: FinetuneConfig, world_size: int) -> None:
-    """A resume continues the run's own kind of training state: the same strategy (an
-    fsdp state is sharded per rank, a ddp one is whole) and LoRA or not, and the same
-    optimisation (`_check_shaping`)."""
-    latest = ckpt.latest_checkpoint(Path(cfg.output), with_train_state=True)
-    if latest is None:
-        return
-    extra = ckpt.read_meta(latest).extra
-    saved = str(extra.get("strategy", "ddp"))
-    if saved != cfg.strategy:
-        raise PreflightError(f"strategy: {latest} was trained with --strategy {saved}; "
-                             f"resume it with --strategy {saved}, or choose a new --output")
-    was_lora = extra.get("kind") == "lora"
-    if was_lora != (cfg.lora_rank is not None):
-        what = "a LoRA adapter" if was_lora else "every weight"
-        raise PreflightError(f"lora_rank: {latest} trained {what}; resume it the same way "
-                             "(with or without --lora-rank), or choose a new --output")
-    if was_lora:
-        from dpserve.finetune.lora import LoraError, check_resumable
-
-        try:
-            check_resumable(ckpt.read_meta(latest), cfg)
-        except LoraError as exc:
-            raise PreflightError(str(exc)) from None
-    _check_shaping(latest, extra.get("run"), cfg, world_size)
-
-
-def _check_shaping(latest: Path, saved: object, cfg: FinetuneConfig, world_size: int) -> None:
-    """Refuse a resume whose settings would change the run's optimisation (a smaller
-    global batch, another schedule) unless --resume-changes says so; say what changed
-    either way. Checkpoints written before the settings were saved are not checked."""
-    if not isinstance(saved, dict):
-        return
-    now = shaping(cfg, world_size)
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
-    if not changed:
-        return
-
-    def flag(name: str) -> str:
-        if name == "global_batch":
-            return ("global batch (--micro-batch-size x --grad-accum x ranks: "
-                    f"{cfg.micro_batch_size} x {cfg.grad_accum} x {world_size} now)")
-        return "--" + name.replace("_", "-")
-
-    listed = "; ".join(f"{flag(k)} {was} in the run, {new} now"
-                       for k, (was, new) in changed.items())
-    if not cfg.resume_changes:
-        raise PreflightError(
-            f"resume: {latest} was trained with other settings: {listed}. Repeat the "
-            "run's settings to continue it as it was, or pass --resume-changes to "
-            "continue with these")
-    print(f"dpserve finetune: resuming {latest} with changed settings (--resume-changes): "
-          f"{listed}", flush=True)
-
-
 def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(cfg.max_restarts)]
     if cfg.nnodes == 1 and cfg.rdzv_endpoint is None:
@@ -142,7 +89,9 @@ def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
     return [*argv, "--module", "dpserve.finetune.train", *training_argv(cfg)]
 
 
-def run_finetune(cfg: FinetuneConfig) -> int:
+def run_finetune(cfg: FinetuneConfig, given: Collection[str] = ()) -> int:
+    """Check, then train. `given`: the settings given a value (flag, env or file), which
+    a resume does not take from its run (`dpserve.finetune.resume`)."""
     from dpserve.finetune.data import DataError
 
     started = time.monotonic()
@@ -153,8 +102,14 @@ def run_finetune(cfg: FinetuneConfig) -> int:
     if nproc < 1:
         raise ConfigError("nproc_per_node: must be >= 1")
     try:
+        if cfg.resume:
+            taken = resume.take_run_settings(cfg, given, nproc * cfg.nnodes)
+            cfg = taken.cfg
+            if taken.settings:
+                print(f"dpserve finetune: resuming {taken.checkpoint} with the run's "
+                      f"settings: {', '.join(taken.settings)}", flush=True)
         preflight(cfg, nproc * cfg.nnodes)
-    except (PreflightError, DataError, ckpt.CheckpointError) as exc:
+    except (PreflightError, resume.ResumeError, DataError, ckpt.CheckpointError) as exc:
         print(f"dpserve finetune: {exc}", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(cfg, nproc)]

@@ -96,7 +96,9 @@ def save(cfg: FinetuneConfig, d: Dist, output: Path, step: int, epoch: int, par:
 
         extra: dict[str, Any] = {"lr": scheduler.get_last_lr()[0], "epoch": epoch,
                                  "strategy": par.strategy.name,
-                                 "run": shaping(cfg, d.world_size)}
+                                 "run": {**shaping(cfg, d.world_size),  # and its split:
+                                         "micro_batch_size": cfg.micro_batch_size,
+                                         "grad_accum": cfg.grad_accum}}
         if lora:
             extra.update(lora_mod.adapter_meta_extra(cfg, fingerprint=base_fingerprint))
         path = ckpt.write_checkpoint(output, step, write_model, base_model=cfg.model,

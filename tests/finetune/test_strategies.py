@@ -151,26 +151,35 @@ def test_sharded_weights_are_what_transformers_loads(tiny_model, tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_a_resume_that_would_change_the_optimisation_is_refused_naming_what_changed(
+def test_a_resume_takes_the_runs_settings_and_refuses_a_given_change_naming_it(
         tiny_model, train_data, tmp_path):
-    """Resumed without repeating --grad-accum 2, the global batch would halve: refused,
-    naming it, unless --resume-changes; the same global batch on fewer ranks is not a
-    change."""
+    """Resumed with --grad-accum 1 given, the global batch would halve: refused, naming
+    it, unless --resume-changes. Settings left out are the run's, said as taken: on one
+    rank instead of two the accumulation doubles to keep the global batch."""
     trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2, grad_accum=2,
             max_steps=3, stop_after_steps=1)
     before = sorted(p.name for p in tmp_path.iterdir())
     done = finetune(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2,
-                    max_steps=3, resume=True)
+                    grad_accum=1, resume=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     line, = done.stderr.strip().splitlines()
     assert "was trained with other settings: global batch (--micro-batch-size x " \
            "--grad-accum x ranks: 2 x 1 x 2 now) 8 in the run, 4 now." in line, line
     assert "--resume-changes" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
-    done = finetune(tiny_model, train_data, tmp_path, nproc=1, micro_batch_size=4,
-                    grad_accum=2, max_steps=2, resume=True, resume_changes=True)
+    done = finetune(tiny_model, train_data, tmp_path, nproc=1, max_steps=4,
+                    stop_after_steps=1, resume=True, resume_changes=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "with changed settings (--resume-changes): --max-steps 3 in the run, 2 now" \
-        in done.stdout  # the global batch is the run's: 4 x 2 x 1
+    assert "with the run's settings: --micro-batch-size 2, --grad-accum 4\n" in done.stdout
+    assert "with changed settings (--resume-changes): --max-steps 3 in the run, 4 now" \
+        in done.stdout
+    done = finetune(tiny_model, train_data, tmp_path, nproc=1, resume=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "with the run's settings: --max-steps 4, --micro-batch-size 2, --grad-accum 4" \
+        in done.stdout
+    assert "changed settings" not in done.stdout
     latest = ckpt.latest_checkpoint(tmp_path)
-    assert latest is not None and ckpt.read_meta(latest).step == 2
+    assert latest is not None
+    meta = ckpt.read_meta(latest)
+    assert meta.step == 4
+    assert (meta.extra["run"]["global_batch"], meta.extra["run"]["grad_accum"]) == (8, 4)
