@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dpserve import checkpoint as ckpt
-from dpserve.finetune.config import SHAPING, FinetuneConfig, shaping
+from dpserve.config import ConfigError
+from dpserve.finetune.config import SHAPING, FinetuneConfig, build_finetune_config, shaping
 
 
 class ResumeError(RuntimeError):
@@ -47,8 +48,9 @@ def take_run_settings(cfg: FinetuneConfig, given: Collection[str], world_size: i
         take["lora_rank"] = extra.get("lora_rank")
         if "lora_alpha" not in given:
             take["lora_alpha"] = extra.get("lora_alpha")
-        if "lora_targets" not in given and isinstance(extra.get("lora_targets"), list):
-            take["lora_targets"] = ",".join(extra["lora_targets"])
+        targets = extra.get("lora_targets")
+        if "lora_targets" not in given and isinstance(targets, list):
+            take["lora_targets"] = ",".join(str(t) for t in targets)
     run = extra.get("run")
     if isinstance(run, dict):
         take.update(_run_shaping(run, cfg, given, world_size))
@@ -57,7 +59,12 @@ def take_run_settings(cfg: FinetuneConfig, given: Collection[str], world_size: i
     if not changed:
         return Taken(cfg, latest)
     said = tuple(f"--{k.replace('_', '-')} {v}" for k, v in changed.items() if v is not None)
-    return Taken(dataclasses.replace(cfg, **changed), latest, said)
+    try:  # typed and validated as if given: the file is the user's, not necessarily ours
+        taken = build_finetune_config({**dataclasses.asdict(cfg), **changed}, env={})
+    except ConfigError as exc:
+        raise ResumeError(f"resume: {latest} records a setting that is not valid ({exc}); "
+                          "give it on the command line") from None
+    return Taken(taken, latest, said)
 
 
 def _run_shaping(run: dict[str, Any], cfg: FinetuneConfig, given: Collection[str],

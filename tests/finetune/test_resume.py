@@ -109,3 +109,13 @@ def test_nothing_to_resume_takes_nothing(tmp_path):
     cfg, given = config(tmp_path / "empty")
     taken = take_run_settings(cfg, given, world_size=2)
     assert (taken.cfg, taken.checkpoint, taken.settings) == (cfg, None, ())
+
+
+@pytest.mark.parametrize("run", [{"lr": "fast"}, {"lr": -1.0}, {"seed": [1]},
+                                 {"max_steps": 0}])
+def test_a_checkpoint_recording_a_bad_setting_is_refused_naming_it(tmp_path, run):
+    a_run(tmp_path, run=run)
+    cfg, given = config(tmp_path)
+    with pytest.raises(ResumeError, match="records a setting that is not valid") as refused:
+        take_run_settings(cfg, given, world_size=2)
+    assert next(iter(run)) in str(refused.value)
