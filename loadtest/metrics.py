@@ -20,6 +20,13 @@ Definitions (vLLM's benchmark's, `vllm.benchmarks.serve.calculate_metrics`):
   send and end times of every request sent (failed ones too).
 - Queue time: how long a request waited past its scheduled send time for a
   concurrency slot (or for the client to get to it).
+- Gaps read together: the share of ITL gaps that are 0 because the event came in
+  the same socket read as the one before. vLLM's client times events the same way;
+  past half, the median ITL is 0: the stream arrived in bursts (an API server or a
+  client short of CPU), and TPOT is the per-token figure to read.
+- Sending span: from the start of the run to the last request sent; the rest of
+  ``duration`` is the drain. A short run at a rate above what the fleet serves is
+  mostly ramp and drain, and its throughput says little of a steady state.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class Metrics:
     itl_ms: Distribution
     e2el_ms: Distribution
     queue_ms: Distribution
+    itl_read_together: float | None = None
+    """The share of ITL gaps that are 0: events read with the one before (None: no gap)."""
+    sending_s: float = 0.0
+    """From the start of the run to the last request sent."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason, most frequent first."""
     per_replica: dict[str, ReplicaMetrics] = field(default_factory=dict)
@@ -161,7 +172,9 @@ def summarize(
         good_requests=good,
         peak_concurrency=peak_concurrency((r.start_s, r.end_s) for r in records),
         **_latencies(ok, percentiles),
-        itl_ms=distribution([gap for r in ok for gap in r.itl_s], percentiles),
+        itl_ms=distribution(gaps := [gap for r in ok for gap in r.itl_s], percentiles),
+        itl_read_together=sum(gap == 0.0 for gap in gaps) / len(gaps) if gaps else None,
+        sending_s=max((r.start_s for r in records), default=0.0),
         queue_ms=distribution([r.start_s - r.scheduled_s for r in ok], percentiles),
         failures=dict(Counter(r.error or "unknown" for r in records if not r.ok).most_common()),
         per_replica=_per_replica(records, len(ok), duration_s, percentiles),

@@ -129,6 +129,8 @@ def summary_table(result: RunResult) -> str:
                  "End-to-end Latency": "E2EL"}.get(title, "TPOT")
         lines.append(f"{' ' + title + ' ':-^{_WIDTH}}")
         lines += _dist_rows(short, dist)
+        if short == "ITL" and m.itl_read_together is not None:
+            lines.append(_row("ITL gaps read together (%)", 100 * m.itl_read_together))
     if m.failures:
         lines.append(f"{' Failures ':-^{_WIDTH}}")
         lines += [_row(reason, count) for reason, count in m.failures.items()]
@@ -157,7 +159,29 @@ def sweep_table(results: Sequence[RunResult], parameter: SweepParameter) -> str:
             f"{m.output_throughput:>10.1f}{_ms(m.ttft_ms.median):>10}"
             f"{_ms(m.ttft_ms.percentiles[top]):>11}{_ms(m.tpot_ms.median):>10}"
             f"{_ms(m.tpot_ms.percentiles[top]):>11}{_ms(m.e2el_ms.percentiles[top]):>11}")
-    return "\n".join(lines)
+    return "\n".join(lines + _sweep_notes(results, parameter))
+
+
+def _sweep_notes(results: Sequence[RunResult], parameter: SweepParameter) -> list[str]:
+    """What a point's req/s measures when it is not a steady state: a burst sent at once,
+    or a run whose drain is a large part of it (a rate above what the fleet serves)."""
+    if parameter != "request_rate":
+        return []
+    notes = []
+    for r in results:
+        m, rate = r.metrics, r.config.request_rate
+        n = m.completed + m.failed
+        drain = m.duration_s - m.sending_s
+        if math.isinf(rate):
+            notes.append(f"note: inf sends all {n} requests at once: its req/s is one "
+                         f"burst's makespan, in the largest batches the fleet forms")
+        elif m.duration_s > 0 and drain > 0.25 * m.duration_s:
+            notes.append(
+                f"note: at {_fmt(rate)} req/s the {n} requests were sent over "
+                f"{m.sending_s:.2f} s and the last answers came {drain:.2f} s later: its "
+                f"req/s is of a ramp and a drain, not a steady state (give --num-prompts "
+                f"for arrivals of at least 10x the drain)")
+    return notes
 
 
 def _dist_rows(short: str, d: Distribution) -> list[str]:

@@ -122,7 +122,7 @@ def test_goodput_counts_requests_within_the_slos(threaded_server, prompts, tmp_p
 
 def test_a_sweep_writes_one_point_per_rate_and_a_sweep_plot(threaded_server, prompts,
                                                             tmp_path, capsys):
-    server = threaded_server(Script(itl_s=0.001))
+    server = threaded_server(Script(ttft_s=0.2, itl_s=0.001))
     out = tmp_path / "sweep.json"
     code = main(["sweep", "--base-url", server.url, "--dataset", "jsonl", "--dataset-path",
                  str(prompts), "--num-prompts", "6", "--output-len", "2",
@@ -138,6 +138,11 @@ def test_a_sweep_writes_one_point_per_rate_and_a_sweep_plot(threaded_server, pro
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["rate", "ok", "fail"])
     assert [line.split()[0] for line in lines[header + 1:header + 4]] == ["50.00", "200.00", "inf"]
+    # 6 requests sent in ~0.03 s, answered 0.2 s later: the point is mostly drain, said so
+    notes = [line for line in lines[header + 4:] if line.startswith("note: ")]
+    assert any(n.startswith("note: at 200.00 req/s the 6 requests were sent over ")
+               and "--num-prompts" in n for n in notes), notes
+    assert any(n.startswith("note: inf sends all 6 requests at once") for n in notes), notes
 
 
 def test_a_concurrency_sweep(threaded_server, prompts, tmp_path):

@@ -123,3 +123,16 @@ def test_a_run_where_everything_failed():
     m = summarize([failed(0, "connect_error"), failed(1, "connect_error")], 1.0)
     assert (m.completed, m.failed, m.failures) == (0, 2, {"connect_error": 2})
     assert m.ttft_ms.mean is None and m.request_throughput == 0.0
+
+
+def test_gaps_read_together_and_the_sending_span():
+    """A 0 gap is an event read with the one before (they share the read's timestamp)."""
+    records = [ok(0, ttft=0.1, latency=1.0, tokens=5, start=0.0, itl=[0.0, 0.2, 0.0, 0.3]),
+               ok(1, ttft=0.1, latency=1.0, tokens=3, start=1.5, itl=[0.0, 0.0]),
+               failed(2, "timeout", start=2.5, end=3.0)]
+    m = summarize(records, duration_s=3.0, percentiles=[50])
+    assert m.itl_read_together == pytest.approx(4 / 6)
+    assert m.itl_ms.median == 0.0  # what a bursty stream shows: past half, the median is 0
+    assert m.sending_s == 2.5  # the failed request was sent too
+    assert summarize([ok(0, ttft=0.1, latency=0.1, tokens=1)], duration_s=1.0,
+                     percentiles=[50]).itl_read_together is None
