@@ -100,7 +100,9 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors, named as in `adapter_model.safetensors`."""
     from peft import get_peft_model_state_dict
 
-    return dict(get_peft_model_state_dict(model))
+    # Only the LoRA factors: targeting lm_head, peft would also save the whole base layer
+    # ("auto" embedding layers), which vLLM does not load from an adapter.
+    return dict(get_peft_model_state_dict(model, save_embedding_layers=False))
 
 
 def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
