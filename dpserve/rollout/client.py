@@ -117,6 +117,15 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+def shown_path(path: str) -> str:
+    """`path` relative to the working directory when it is below it (as the user most
+    likely typed it), else whole."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
 async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, Any],
                      out: TextIO) -> int:
     """Start a deploy, print each replica's progress until it ends; 0 if it succeeded."""
@@ -131,7 +140,8 @@ async def run_deploy(client: AdminClient, checkpoint: Path, options: dict[str, A
             if record.get("adapter") else
             f"version {record['version']} (was {record['previous_version']}), {n} "
             f"replica(s), {record['options']['batch']} at a time")
-    print(f"deploy {record['id']}: {record['checkpoint']}\n  {what}", file=out, flush=True)
+    print(f"deploy {record['id']}: {shown_path(record['checkpoint'])}\n  {what}", file=out,
+          flush=True)
     shown: dict[str, tuple[Any, ...]] = {}
     replicas = ReplicaLines()
     started = time.monotonic()

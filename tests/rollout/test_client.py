@@ -15,6 +15,7 @@ from dpserve.rollout.client import (
     ReplicaLines,
     read_admin_key,
     run_deploy,
+    shown_path,
     run_status,
     run_watch,
 )
@@ -27,6 +28,12 @@ from tests.rollout.test_rollout import fleet
 ADMIN_KEY = "admin-key-0123456789abcdef"
 
 
+def test_a_path_below_the_working_directory_is_shown_as_typed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert shown_path(str(tmp_path / "runs" / "ft" / "step-000040")) == "runs/ft/step-000040"
+    assert shown_path("/elsewhere/step-000040") == "/elsewhere/step-000040"
+
+
 async def test_deploy_prints_each_replica_and_exits_0(fake_replicas, tiny_model, tmp_path):
     ckpt_dir = write_variant(tiny_model, tmp_path, 3, tensors=perturbed(0.01, seed=3))
     out = io.StringIO()
@@ -37,6 +44,7 @@ async def test_deploy_prints_each_replica_and_exits_0(fake_replicas, tiny_model,
     version = weights_for(str(ckpt_dir)).version
     text = out.getvalue()
     assert code == 0, text
+    assert text.startswith("deploy ") and f": {ckpt_dir}\n" in text.splitlines(True)[0]
     assert f"version {version} (was base:tiny-llama), 2 replica(s), 1 at a time" in text
     assert "r0   done" in text and "r1   done" in text
     # the phases the client saw, each with the time of the steps it took (the fakes are
