@@ -15,9 +15,9 @@ from dpserve.rollout.client import (
     ReplicaLines,
     read_admin_key,
     run_deploy,
-    shown_path,
     run_status,
     run_watch,
+    shown_path,
 )
 from dpserve.rollout.deployed import weights_for
 from tests.conftest import running_router
