@@ -341,7 +341,7 @@ async def run_status(client: AdminClient, out: TextIO) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),
               file=out)
     if last is not None:
-        print(f"last deploy {last['id']}: {last['state']}, {last['checkpoint']}"
+        print(f"last deploy {last['id']}: {last['state']}, {shown_path(last['checkpoint'])}"
               + (f" ({last['version']})" if last["version"] else "")
               + (f": {last['error']}" if last["error"] else ""), file=out)
         if last.get("canary") and "canary" in last["canary"]:
