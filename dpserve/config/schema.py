@@ -216,10 +216,13 @@ class RouterConfig:
     client_body_timeout_s: float = 30.0
     """Longest wait for the next piece of a request body; past it the request gets 408
     and its connection is closed."""
-    keep_alive_timeout_s: float = 5.0
-    """An idle keep-alive client connection is closed after this long."""
+    keep_alive_timeout_s: float = 75.0
+    """An idle keep-alive client connection is closed after this long. Longer than the
+    idle timeouts of clients and load balancers (60 s is common): a server that closes
+    first races with a request just sent, which the client sees reset."""
     max_connections: int = 2048
-    """Open client connections; one beyond it gets 503 and is closed at once."""
+    """Open client connections; one beyond it takes the place of one idle between
+    requests, or, when none is, gets 503 and is closed at once."""
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     """Request bodies held in memory at once, over all requests (the parsed JSON costs a
     few times more); a request that would pass it gets 503 with Retry-After."""

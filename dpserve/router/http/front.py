@@ -14,7 +14,8 @@ used, or thousands of them. :class:`GuardedProtocol` adds, per connection:
 - a body idle limit (`client_body_timeout_s`): the longest wait for the next
   piece of a body, not counting time the router itself stopped reading
   (flow control, a pipelined request waiting its turn): 408 and close;
-- a connection cap (`max_connections`): a connection past it gets 503 at once.
+- a connection cap (`max_connections`): a connection past it takes the place of
+  one idle between requests, or, when none is, gets 503 at once.
 
 A response's head goes out with its first body part, in one write
 (`dpserve.router.http.front_cycle`). The keep-alive timeout between requests is
@@ -90,11 +91,23 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self._limits.max_connections:
+        if len(self.connections) > self._limits.max_connections and not self._reclaim_idle():
             self._refuse(503, "the router has as many connections open as it may; retry "
                               "shortly", "too_many_connections", retry_after_s=1, linger=False)
             return
         self._begin_head()  # an idle new connection gets the head's deadline too
+
+    def _reclaim_idle(self) -> bool:
+        """At the cap, close one connection idle between requests (its keep-alive timer
+        running) to make room, as nginx does, rather than refuse a new client."""
+        for other in self.connections:
+            if (other is not self and isinstance(other, GuardedProtocol)
+                    and other.timeout_keep_alive_task is not None
+                    and not other.transport.is_closing()):
+                other._report("idle_reclaimed")
+                other.transport.close()
+                return True
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -57,7 +57,7 @@ DEPLOY_OUTCOMES = ("succeeded", "failed", "rolled_back")
 
 
 FRONT_REJECTIONS = ("header_timeout", "body_timeout", "header_too_large",
-                    "too_many_connections", "malformed", "upgrade")
+                    "too_many_connections", "idle_reclaimed", "malformed", "upgrade")
 """Values of `reason` on dpserve_front_rejections_total (dpserve.router.http.front.REASONS)."""
 
 
@@ -151,7 +151,8 @@ class RouterMetrics:
             "dpserve_front_rejections",
             "Client connections the router's HTTP front closed on a limit or malformed "
             "input: reason is header_timeout, body_timeout, header_too_large, "
-            "too_many_connections, malformed or upgrade.",
+            "too_many_connections, idle_reclaimed (an idle keep-alive connection closed at "
+            "the cap to admit a new one), malformed or upgrade.",
             ["reason"],
             registry=self.registry,
         )

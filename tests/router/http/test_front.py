@@ -142,6 +142,29 @@ async def test_connections_past_the_cap_get_503_at_once(fake_replicas):
             await wait_for(served, "a new client to be served", within_s=5, every_s=0.05)
 
 
+async def test_at_the_cap_a_connection_idle_between_requests_makes_room(fake_replicas):
+    """Three connections open, one of them idle after its request: a fourth client is
+    served, and the idle one is closed (nothing was in flight on it)."""
+    replica = await fake_replicas("r0")
+    limits = {**LIMITS, "keep_alive_timeout_s": 30.0, "client_header_timeout_s": 30.0}
+    async with running_router([replica.url], **limits, max_connections=3) as (url, _):
+        port = port_of(url)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        try:
+            idle_writer.write(completion())
+            assert b" 200 " in await idle_reader.readuntil(b"\r\n")
+            raw, _ = await exchange(port, completion("new"))
+            assert [a.status for a in parse_responses(raw)] == [200]
+            _, closed = await read_all(idle_reader, quiet_s=None, deadline_s=5)
+            assert closed
+            assert await rejections(url, "idle_reclaimed") == 1
+            # (with none idle, the cap answers 503: the test above)
+        finally:
+            for _, writer in (*held, (idle_reader, idle_writer)):
+                writer.close()
+
+
 async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(
         fake_replicas):
     replica = await fake_replicas("r0")
