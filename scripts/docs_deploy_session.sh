@@ -18,16 +18,16 @@ SERVE=$!
 trap 'kill -TERM $SERVE 2>/dev/null; wait $SERVE 2>/dev/null || true' EXIT
 printf '$ %s\n    %s\n...\n' \
     "dpserve finetune --model build/tiny-llama --data dpserve/demo_data/train.jsonl \\" \
-    "--output runs/ft --max-steps 20 --save-every 10 --nproc-per-node 2"
+    "--output runs/deploy-ft --max-steps 20 --save-every 10 --nproc-per-node 2"
 dpserve finetune --model build/tiny-llama --data dpserve/demo_data/train.jsonl \
-    --output runs/ft --max-steps 20 --save-every 10 --nproc-per-node 2 2>&1 | tail -n 2
+    --output runs/deploy-ft --max-steps 20 --save-every 10 --nproc-per-node 2 2>&1 | tail -n 2
 until grep -q "2/2 replicas ready after" serve.log; do
     kill -0 $SERVE 2>/dev/null || { cat serve.log; exit 1; }
     sleep 1
 done
-show dpserve deploy runs/ft/step-000020 --router "http://127.0.0.1:$PORT"
+show dpserve deploy runs/deploy-ft/step-000020 --router "http://127.0.0.1:$PORT"
 show dpserve status --router "http://127.0.0.1:$PORT"
-mkdir -p runs/copy && cp -r runs/ft/step-000010 runs/copy/
+mkdir -p runs/copy && cp -r runs/deploy-ft/step-000010 runs/copy/
 python - <<'PY'
 from pathlib import Path
 p = Path("runs/copy/step-000010/model.safetensors"); b = bytearray(p.read_bytes()); b[-5] ^= 1
