@@ -92,13 +92,19 @@ def _metric(text: str, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def _connection_per_request() -> httpx.AsyncClient:
+    """One client whose every request opens its own connection (the kernel spreads
+    connections, not requests, among the workers). One client, not one per request: a
+    client's TLS context takes ~100 ms of CPU to build, and sixty of them at once held
+    this loop (and the FakeReplicas on it) past the router's health-check timeout."""
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=30)
+
+
 async def _fresh_connection_posts(url: str, n: int) -> list[httpx.Response]:
-    """`n` requests, each on its own connection (the kernel spreads connections, not
-    requests, among the workers)."""
-    async def one() -> httpx.Response:
-        async with httpx.AsyncClient() as client:
-            return await client.post(url + "/v1/completions", json=BODY, timeout=30)
-    return list(await asyncio.gather(*(one() for _ in range(n))))
+    """`n` requests at once, each on its own connection."""
+    async with _connection_per_request() as client:
+        return list(await asyncio.gather(
+            *(client.post(url + "/v1/completions", json=BODY) for _ in range(n))))
 
 
 async def test_two_workers_share_the_port_and_the_metrics_count_every_request(
@@ -132,11 +138,12 @@ async def test_a_drain_waits_for_the_requests_every_worker_has_on_the_replica(
     slow = await fake_replicas("r0", chunks=20, chunk_delay_s=0.1)  # 2 s streams
     other = await fake_replicas("r1")
     async with router_with_workers(slow.url, other.url) as (url, _):
+        clients = _connection_per_request()
+
         async def stream(i: int) -> int:
-            async with httpx.AsyncClient() as client, client.stream(
+            async with clients.stream(
                     "POST", url + "/v1/completions",
-                    json={**BODY, "prompt": f"{i} hello", "stream": True},
-                    timeout=30) as answer:
+                    json={**BODY, "prompt": f"{i} hello", "stream": True}) as answer:
                 async for _ in answer.aiter_bytes():
                     pass
                 return answer.status_code
@@ -151,6 +158,7 @@ async def test_a_drain_waits_for_the_requests_every_worker_has_on_the_replica(
             open_at_answer = slow.open_streams
             after = await _fresh_connection_posts(url, 20)
         assert all(code == 200 for code in await asyncio.gather(*streams))
+        await clients.aclose()
     assert drained.status_code == 200 and drained.json()["drained"] is True
     assert open_at_answer == 0  # the streams of both workers had ended
     assert {a.headers["x-dpserve-replica"] for a in after} == {"r1"}  # every worker drained
