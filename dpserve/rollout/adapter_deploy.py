@@ -56,6 +56,11 @@ class AdapterDeploys:
         """Base fingerprint per served weights directory (hashing reads every byte)."""
         self._retiring: set[asyncio.Task[None]] = set()
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the engines run with LoRA enabled (`--enable-lora`)."""
+        return self._enabled
+
     def check_request(self, name: str, served_names: frozenset[str]) -> None:
         """What can be refused before reading the checkpoint. Refused otherwise.
         `served_names`: every model name the replicas report (whatever their state now;

@@ -289,7 +289,8 @@ class Convergence:
         record: dict[str, object] = {"eval_data": gate.eval_data, "metric": gate.metric}
         self.progress.quality = record
         t0 = time.monotonic()
-        candidate = [await quality.score(self.client, replica.url, model, gate.cases)
+        candidate = [await quality.score(self.client, replica.url, model, gate.cases,
+                                         logprobs=gate.logprobs)
                      for _ in range(gate.repeats)]
         record["candidate"] = quality.Score.mean(candidate).to_json()
         current = comparison = None
@@ -300,7 +301,8 @@ class Convergence:
                 raise EngineAdminError("gate", "no ready replica serves the current version "
                                                "to compare the new one with")
             current = [await quality.score(self.client, on_current[0].url,
-                                           canary_model(on_current[0]), gate.cases)
+                                           canary_model(on_current[0]), gate.cases,
+                                           logprobs=gate.logprobs)
                        for _ in range(gate.repeats)]
             record["current"] = quality.Score.mean(current).to_json()
             comparison = gate.compare(candidate, current)
@@ -309,9 +311,9 @@ class Convergence:
             self._metrics.deploy_eval_score.clear()
             for of, runs in (("candidate", candidate), ("current", current)):
                 for metric in quality.METRICS:
-                    if runs is not None:
-                        self._metrics.deploy_eval_score.labels(metric, of).set(
-                            quality.Score.mean(runs).metric(metric))
+                    got = None if runs is None else quality.Score.mean(runs).metric(metric)
+                    if got is not None:
+                        self._metrics.deploy_eval_score.labels(metric, of).set(got)
         reason = gate.verdict(candidate, comparison) if gate.gates else None
         record["seconds"] = round(time.monotonic() - t0, 3)
         if gate.gates:

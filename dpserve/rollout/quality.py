@@ -10,7 +10,11 @@ prompt (rendered by the engine's chat template, `POST /tokenize` with `messages`
   length + `SLACK_TOKENS` tokens), stripped, equals the expected one, stripped;
 - **mean_logprob**: the mean log-probability per token of the expected answer after
   the prompt (`prompt_logprobs`), so that free text, where exact match says little,
-  is still scored.
+  is still scored. Not on engines with LoRA enabled: vLLM 0.32 fails the engine when
+  a request asking for prompt log-probabilities is batched with another (measured on
+  the CPU build: three at once, or one beside generating requests; vLLM issue #16668),
+  and the replica kept on the current version serves traffic while it is scored.
+  There the gate scores exact_match alone and refuses `gate_metric: mean_logprob`.
 
 Each version is scored `repeats` times; against the current version the gate compares
 per example and fails only when the candidate is surely worse than the margin and the
@@ -132,14 +136,15 @@ def _read_eval_file(path: Path, root: Path) -> bytes:
 @dataclass(frozen=True)
 class Score:
     exact_match: float
-    mean_logprob: float
+    mean_logprob: float | None
+    """None: not measured (engines with LoRA enabled)."""
     examples: int
     hits: tuple[float, ...] = field(default=(), repr=False)
     """Per example, in the eval set's order: 1.0 for an exact match, else 0.0..."""
     logprobs: tuple[float, ...] = field(default=(), repr=False)
     """...and the mean log-probability per token of its expected answer."""
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str) -> float | None:
         return self.exact_match if name == "exact_match" else self.mean_logprob
 
     def per_example(self, name: str) -> tuple[float, ...]:
@@ -149,15 +154,20 @@ class Score:
     def mean(cls, runs: Sequence[Score]) -> Score:
         """The runs of one eval set averaged: what the record shows of repeated runs."""
         n = len(runs)
-        return cls(sum(r.exact_match for r in runs) / n, sum(r.mean_logprob for r in runs) / n,
-                   runs[0].examples)
+        logprobs = [r.mean_logprob for r in runs if r.mean_logprob is not None]
+        return cls(sum(r.exact_match for r in runs) / n,
+                   sum(logprobs) / n if len(logprobs) == n else None, runs[0].examples)
 
     def to_json(self) -> dict[str, Any]:
         return {"exact_match": round(self.exact_match, 4),
-                "mean_logprob": round(self.mean_logprob, 4), "examples": self.examples}
+                "mean_logprob": (None if self.mean_logprob is None
+                                 else round(self.mean_logprob, 4)),
+                "examples": self.examples}
 
     def describe(self, metric: str) -> str:
-        return f"{metric} {self.metric(metric):.4g} over {self.examples} examples"
+        got = self.metric(metric)
+        shown = "not measured" if got is None else f"{got:.4g}"
+        return f"{metric} {shown} over {self.examples} examples"
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,8 @@ class Gate:
     margin: float = 0.0
     repeats: int = 2
     """Runs of the eval set on each version: their spread is the score's own noise."""
+    logprobs: bool = True
+    """Whether mean_logprob is measured (not on engines with LoRA enabled)."""
 
     @property
     def gates(self) -> bool:
@@ -187,7 +199,7 @@ class Gate:
         (`gate_verdict`)."""
         scored = Score.mean(candidate)
         got = scored.metric(self.metric)
-        if self.min_score is not None and got < self.min_score:
+        if self.min_score is not None and got is not None and got < self.min_score:
             return (f"quality gate: {scored.describe(self.metric)}, below the minimum "
                     f"{self.min_score:g}")
         if self.vs_current and comparison is not None and comparison.worse(self.margin):
@@ -198,24 +210,25 @@ class Gate:
 
 
 async def score(client: httpx.AsyncClient, url: str, model: str,
-                cases: list[EvalCase]) -> Score:
-    """Score `cases` on the engine at `url` serving `model`. EngineAdminError("eval", ...)
-    on an engine error."""
+                cases: list[EvalCase], *, logprobs: bool = True) -> Score:
+    """Score `cases` on the engine at `url` serving `model`; mean_logprob only with
+    `logprobs`. EngineAdminError("eval", ...) on an engine error."""
     slots = asyncio.Semaphore(CONCURRENCY)
 
-    async def one(case: EvalCase) -> tuple[bool, float]:
+    async def one(case: EvalCase) -> tuple[bool, float | None]:
         async with slots:
-            return await _score_case(client, url.rstrip("/"), model, case)
+            return await _score_case(client, url.rstrip("/"), model, case, logprobs)
 
     results = await asyncio.gather(*(one(c) for c in cases))
+    measured = [lp for _, lp in results if lp is not None]
     return Score(exact_match=sum(ok for ok, _ in results) / len(results),
-                 mean_logprob=sum(lp for _, lp in results) / len(results),
+                 mean_logprob=sum(measured) / len(results) if logprobs else None,
                  examples=len(results), hits=tuple(float(ok) for ok, _ in results),
-                 logprobs=tuple(lp for _, lp in results))
+                 logprobs=tuple(measured))
 
 
 async def _score_case(client: httpx.AsyncClient, url: str, model: str,
-                      case: EvalCase) -> tuple[bool, float]:
+                      case: EvalCase, logprobs: bool) -> tuple[bool, float | None]:
     if case.messages is not None:
         prompt = await _tokens(client, url, {"model": model, "messages": case.messages,
                                              "add_generation_prompt": True})
@@ -226,21 +239,27 @@ async def _score_case(client: httpx.AsyncClient, url: str, model: str,
     greedy = await _post(client, url + "/v1/completions", {
         "model": model, "prompt": prompt, "temperature": 0,
         "max_tokens": len(expected) + SLACK_TOKENS})
+    try:
+        right = greedy["choices"][0]["text"].strip() == case.expected.strip()
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise EngineAdminError("eval", f"{case.where}: unexpected answer from the engine") \
+            from None
+    if not logprobs:
+        return right, None
     scored = await _post(client, url + "/v1/completions", {
         "model": model, "prompt": prompt + expected, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 0})
     try:
-        text = greedy["choices"][0]["text"]
         entries = scored["choices"][0]["prompt_logprobs"][len(prompt):]
-        logprobs = [float(entry[str(token)]["logprob"])
-                    for entry, token in zip(entries, expected, strict=True)]
+        found = [float(entry[str(token)]["logprob"])
+                 for entry, token in zip(entries, expected, strict=True)]
     except (KeyError, IndexError, TypeError, ValueError):
         raise EngineAdminError("eval", f"{case.where}: unexpected answer from the engine") \
             from None
-    if not logprobs or not all(math.isfinite(lp) for lp in logprobs):
+    if not found or not all(math.isfinite(lp) for lp in found):
         raise EngineAdminError("eval", f"{case.where}: non-finite log-probabilities",
-                               non_finite=bool(logprobs))
-    return text.strip() == case.expected.strip(), sum(logprobs) / len(logprobs)
+                               non_finite=bool(found))
+    return right, sum(found) / len(found)
 
 
 async def _tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
@@ -265,11 +284,13 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> di
     return answer
 
 
-def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | None:
+def gate_for(options: DeployOptions, *, root: Path, replicas: int,
+             lora: bool = False) -> Gate | None:
     """The gate a deploy's options ask for (None: no eval set), its eval file read and
     checked; Refused (nothing changed) for a file outside `root` (403), one that is not
     a regular file, is a symbolic link or is larger than MAX_EVAL_BYTES (422), a
-    malformed one (422, naming `FILE:LINE`) or a fleet of one replica (400). Blocking
+    malformed one (422, naming `FILE:LINE`), a fleet of one replica (400), or
+    mean_logprob asked of engines with LoRA enabled (`lora`, 409). Blocking
     (file I/O), but never on the file's contents: a FIFO or device is refused at once."""
     if options.eval_data is None:
         return None
@@ -278,6 +299,10 @@ def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | Non
                            "while another serves and, for gate_vs_current, keeps the current "
                            "version to compare with: a single replica cannot do either",
                       param="eval_data")
+    if lora and options.gate_metric == "mean_logprob":
+        raise Refused(409, "gate_metric mean_logprob needs prompt log-probabilities, which "
+                           "engines with LoRA enabled fail on when batched (vLLM 0.32, "
+                           "issue #16668): gate on exact_match here", param="gate_metric")
     path = Path(options.eval_data)
     try:
         cases = load_eval(path, root=root)
@@ -285,4 +310,4 @@ def gate_for(options: DeployOptions, *, root: Path, replicas: int) -> Gate | Non
         raise Refused(422, f"eval set: {exc}", param="eval_data") from None
     return Gate(eval_data=str(path), cases=cases, metric=options.gate_metric,
                 min_score=options.gate_min_score, vs_current=options.gate_vs_current,
-                margin=options.gate_margin, repeats=options.gate_repeats)
+                margin=options.gate_margin, repeats=options.gate_repeats, logprobs=not lora)

@@ -186,8 +186,9 @@ class Rollout:
                                "--snapshot-dir DIR on storage every engine can read")
         gate = None
         if name is None and options.eval_data is not None:
-            gate = await self._admin.run(quality.gate_for, options, replicas=n,
-                                        root=self._root())
+            gate = await self._admin.run(
+                quality.gate_for, options, replicas=n, root=self._root(),
+                lora=self.adapters is not None and self.adapters.enabled)
             self._refuse_if_busy()  # another request may have started one meanwhile
         deploy_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         lease = Lease(self._lock, executor=self._admin.executor)

@@ -21,6 +21,7 @@ order:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -128,6 +129,24 @@ def test_refused_adapters_change_nothing(fleet: Fleet) -> None:
     assert fleet.engine_models() == [{MODEL_NAME}, {MODEL_NAME}]
     listed = client(fleet).models.list()
     assert [m.id for m in listed.data] == [MODEL_NAME]
+
+
+def test_the_prompts_logprobs_are_refused_and_no_engine_falls(fleet: Fleet) -> None:
+    """Three at once through the router: each a 400 that says why. Sent to an engine
+    directly, the same three fail it (vLLM issue #16668; measured 2026-11-29: two of
+    three answered 500 and the engine process exited)."""
+    async def three() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=fleet.d.base_url, timeout=60) as c:
+            return list(await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": MODEL_NAME, "prompt": "Spell 458." + " x" * i, "max_tokens": 1,
+                "prompt_logprobs": 0}) for i in range(3))))
+    answers = asyncio.run(three())
+    assert [a.status_code for a in answers] == [400] * 3, [a.text for a in answers]
+    assert answers[0].json()["error"]["param"] == "prompt_logprobs"
+    ready = httpx.get(fleet.d.base_url + "/ready", timeout=10).json()
+    assert ready["replicas_ready"] == 2
+    plain = client(fleet).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    assert plain.choices[0].finish_reason in ("length", "stop")
 
 
 def test_an_adapter_answers_as_peft_runs_it_under_the_name_the_client_used(fleet: Fleet):

@@ -174,3 +174,25 @@ async def test_dpserve_deploy_prints_the_scores_and_the_verdict(fake_replicas, t
     assert ("quality gate failed: exact_match 0 for the new version against 1 for the "
             "current one over 20 examples, a difference of -1 (95% interval -1..-1; 2 runs "
             "of one version differed by up to 0)") in text
+
+
+async def test_a_lora_fleet_is_gated_on_exact_match_without_asking_the_prompts_logprobs(
+        fake_replicas, tiny_model, checkpoint, eval_file):
+    """Engines with LoRA enabled fail on batched prompt log-probabilities (vLLM 0.32):
+    the gate asks them none, and refuses to gate on what it cannot measure."""
+    async with fleet(fake_replicas, tiny_model, 2, enable_lora=True,
+                     lora_affinity=False) as f:
+        for fake in f.fakes:
+            fake.skill = {None: ALL_RIGHT, "step-000001": HALF_RIGHT}
+        refused, body = await deploy(f, checkpoint, eval_data=str(eval_file),
+                                     gate_metric="mean_logprob", gate_min_score=-1)
+        status, record = await deploy(f, checkpoint, eval_data=str(eval_file),
+                                      gate_vs_current=True)
+        asked = [r for fake in f.fakes for r in fake.requests if "prompt_logprobs" in r]
+    assert refused == 409 and body["error"]["param"] == "gate_metric"
+    assert "LoRA enabled" in body["error"]["message"]
+    assert status == 202 and record["state"] == "rolled_back", record
+    quality = record["quality"]
+    assert quality["candidate"] == {"exact_match": 0.5, "mean_logprob": None, "examples": 20}
+    assert quality["current"]["exact_match"] == 1.0 and quality["passed"] is False
+    assert asked == []

@@ -49,7 +49,13 @@ from dpserve.router.forward.assembled import RIDE, Assembler, assemblable, ride_
 from dpserve.router.forward.attempt import Answered, Attempt, StartOver, TryAnother
 from dpserve.router.forward.budget import BodyBudget
 from dpserve.router.forward.exchange import Exchange
-from dpserve.router.forward.request import ClientGone, check_model, parse_request, read_body
+from dpserve.router.forward.request import (
+    ClientGone,
+    check_model,
+    parse_request,
+    read_body,
+    refuse_prompt_logprobs,
+)
 from dpserve.router.forward.retry import backoff, is_retryable
 from dpserve.router.forward.stream import StreamOwner
 from dpserve.router.forward.upstream_errors import relay_error
@@ -219,6 +225,8 @@ class ProxyEndpoint:
                                    known_models=frozenset() if adapters else known,
                                    keys=self._keys, prefix_chars=self._config.prefix_chars)
             ex.info, ex.stream = parsed.info, parsed.stream
+            if self._config.enable_lora:
+                refuse_prompt_logprobs(self.route, parsed.payload)
             if self._tokenize is not None:
                 ex.payload = parsed.payload
             if adapters:

@@ -112,6 +112,26 @@ def check_model(model: str | None, known_models: frozenset[str],
                       param="model")
 
 
+def refuse_prompt_logprobs(route: str, payload: dict[str, Any]) -> None:
+    """RouterError 400 for a request asking for the prompt's log-probabilities
+    (`prompt_logprobs`, or `echo` with `logprobs` / chat's `top_logprobs`, which vLLM
+    turns into them), for engines with LoRA enabled: vLLM 0.32 fails the whole engine
+    when such a request is batched with another (issue #16668; measured on the CPU
+    build: three at once, or one beside generating requests), so one client could take
+    every replica down in turn."""
+    echoed = "top_logprobs" if route == "/v1/chat/completions" else "logprobs"
+    if payload.get("prompt_logprobs") is not None:
+        param = "prompt_logprobs"
+    elif payload.get("echo") not in (None, False) and payload.get(echoed) is not None:
+        param = "echo"
+    else:
+        return
+    raise RouterError(400, "the prompt's log-probabilities (prompt_logprobs, or echo with "
+                           f"{echoed}) are not served here: these engines run with LoRA "
+                           "enabled, and vLLM fails the engine on such requests when they "
+                           "are batched (vLLM issue #16668)", param=param)
+
+
 def parse_request(
     body: bytes,
     headers: Iterable[tuple[bytes, bytes]],
