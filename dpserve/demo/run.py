@@ -126,7 +126,7 @@ def run_demo(options: DemoOptions) -> int:
                         served_name=TINY_MODEL_NAME, run_dir=out / "serve",
                         checkpoint_root=out)  # the fine-tune writes its checkpoints there
     _section(f"1. serving {model_dir.name} on {options.replicas} replicas")
-    print(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {out / 'serve.log'})", flush=True)
+    print(_shown(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {out / 'serve.log'})"), flush=True)
     with (out / "serve.log").open("wb") as log:
         serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
@@ -175,7 +175,7 @@ def run_demo(options: DemoOptions) -> int:
     ok &= code == 0 and not leftover
     timings["total"] = time.monotonic() - t_start
     print("\ntimings: " + " · ".join(f"{k} {_fmt(v)}" for k, v in timings.items()))
-    print("demo " + ("passed" if ok else "FAILED") + f"; results in {out}")
+    print(_shown("demo " + ("passed" if ok else "FAILED") + f"; results in {out}"))
     return 0 if ok else 1
 
 
@@ -186,9 +186,9 @@ def _report_deploy(run: DeployRun, base: str, out: Path, env: dict[str, str]) ->
     """Print how the load test fared during the deploy and `dpserve status`; whether the
     deploy succeeded with no failed request and some answered while it ran."""
     load_metrics = run.load.get("metrics", {})
-    print(f"load test: {load_metrics.get('completed', '?')} requests succeeded, "
-          f"{load_metrics.get('failed', '?')} failed; {run.during} answered while the deploy "
-          f"ran (full report: {out / 'loadtest.log'})")
+    print(_shown(f"load test: {load_metrics.get('completed', '?')} requests succeeded, "
+                 f"{load_metrics.get('failed', '?')} failed; {run.during} answered while the "
+                 f"deploy ran (full report: {out / 'loadtest.log'})"))
     if run.windows is not None:
         print(run.windows.line())
     status = subprocess.run([sys.executable, "-m", "dpserve", "status", "--router", base],
@@ -243,7 +243,7 @@ def _finetune(model_dir: Path, data: Path, output: Path, steps: int, ranks: int,
            "--data", str(data), "--output", str(output), "--nproc-per-node", str(ranks),
            "--max-steps", str(steps), *FINETUNE_FLAGS]
     log_path = output.with_suffix(".log")
-    print(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {log_path})", flush=True)
+    print(_shown(f"$ dpserve {' '.join(cmd[3:])}\n  (log: {log_path})"), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     helpers.append(proc)
@@ -285,7 +285,7 @@ def _deploy_under_load(checkpoint: Path, base: str, model_dir: Path, model: str,
     load_env = dict(env)
     if key := os.environ.get("DPSERVE_API_KEY"):
         load_env["OPENAI_API_KEY"] = key
-    print(f"$ python -m {' '.join(load_cmd[2:])} &", flush=True)
+    print(_shown(f"$ python -m {' '.join(load_cmd[2:])} &"), flush=True)
     served_before = _completions_served(base)
     with (out / "loadtest.log").open("wb") as log:
         load = subprocess.Popen(load_cmd, stdout=log, stderr=subprocess.STDOUT, env=load_env,
@@ -298,7 +298,7 @@ def _deploy_under_load(checkpoint: Path, base: str, model_dir: Path, model: str,
         raise RuntimeError(f"the load test ended early; see {out / 'loadtest.log'}")
 
     cmd = [sys.executable, "-m", "dpserve", "deploy", str(checkpoint), "--router", base]
-    print(f"$ dpserve {' '.join(cmd[3:])}", flush=True)
+    print(_shown(f"$ dpserve {' '.join(cmd[3:])}"), flush=True)
     at_deploy, t_deploy = _completions_served(base), time.time()
     deploy = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     t_done = time.time()
@@ -346,12 +346,12 @@ def _print_locations(base: str, out: Path, checkpoint: Path) -> None:
         ("logs", f"{out / 'serve.log'} · {out / 'serve'}/*/replica-r*.log · finetune.log"),
     ]
     for name, where in rows:
-        print(f"  {name:<11} {where}")
+        print(_shown(f"  {name:<11} {where}"))
     print("  a scrape of /metrics, now:")
     for line in shown:
         print(f"    {line}")
-    print("  (the router stops below; `dpserve serve --model "
-          f"{checkpoint}` serves the checkpoint again)", flush=True)
+    print(_shown("  (the router stops below; `dpserve serve --model "
+                 f"{checkpoint}` serves the checkpoint again)"), flush=True)
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -373,3 +373,9 @@ def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
 def _fmt(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     return f"{m} min {s:02d} s" if m else f"{s} s"
+
+
+def _shown(text: str) -> str:
+    """`text` with the paths below the working directory relative to it, as a user
+    would type them (the demo runs its commands on absolute paths)."""
+    return text.replace(f"{Path.cwd()}{os.sep}", "")
