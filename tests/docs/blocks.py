@@ -3,25 +3,28 @@
 Every ```bash / ```sh / ```console block in README.md, deploy/README.md and docs/ is
 preceded by one marker line (an HTML comment, invisible on GitHub):
 
-- `<!-- docs: run -->` — run as written by tests/docs/test_run.py, each command in
-  order in a scratch directory (below), every one exiting 0;
+- `<!-- docs: run -->` — run as written by tests/integration/test_docs_walk.py, which
+  walks every run block of the docs in the order a reader takes them, in one
+  directory, with one fleet (tests/docs/walk.py says how); every command exits 0, or
+  the status its `# exits N` comment shows;
 - `<!-- docs: checked: WHY NOT RUN -->` — every `dpserve` / `python -m loadtest`
   command is parsed by the program's own parser and every input it names
   (`--model`, `--data`, `--tokenizer`, `--eval-data`) exists in the repository,
   unless a command before it in the block writes it (`runs/...`); not run, for the
-  reason given (a fleet of its own, minutes of training, ...); what it prints is shown
-  as a real run's output and says so;
+  reason given; what it prints is shown as a real run's output and says so;
 - `<!-- docs: illustration -->` — placeholders (`/models/my-model`, other hosts, a
   cluster): its commands are parsed, nothing else.
 
 A ```text block marked `<!-- docs: output -->` right after a run block is what that
-block prints: each of its lines must be printed, in order (other lines may come
-between), with its words and layout as shown and its numbers free to differ
-(`matches`). Output shown without the marker is a real run's, not checked.
+block prints, as is a run console transcript's output: each of its lines must be
+printed, in order (other lines may come between), with its words and layout as shown
+and its numbers, digests and `…` cuts free to differ (`matches`). Output shown
+without the marker is a real run's, not checked.
 
-The scratch directory of a run block links `.venv`, `build`, `dpserve`, `loadtest`
-and `benchmarks` to the repository's, so the relative paths the docs use resolve,
-and its own `runs/` takes what the commands write. Nothing else is substituted.
+The walk's directory links `.venv`, `build`, `dpserve`, `loadtest`, `benchmarks` and
+what `make` needs to the repository's, so the relative paths the docs use resolve,
+and its own `runs/` takes what the commands write. Only the fleet's port is
+substituted.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ SHELL = ("bash", "sh", "shell", "console")
 MARKER = re.compile(r"^<!-- docs: (run|checked|illustration)(?:: (.+?))? -->$")
 OUTPUT = "<!-- docs: output -->"
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+HEX = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{4,}\b")
+FREE = re.compile(rf"(\s*…\s*|\s+|{HEX.pattern}|{NUMBER.pattern})")
+"""What a shown output line may differ in: spacing, cuts, digests, numbers."""
 
 
 @dataclass(frozen=True)
@@ -109,16 +115,18 @@ def blocks(doc: Path) -> list[Block]:
 def matches(shown: str, printed: str) -> list[str]:
     """The lines of `shown` not found in `printed`, in order: each must match a later
     printed line than the one before it, word for word, its numbers free (a run of
-    spaces matches any, so columns may widen with their numbers)."""
+    spaces matches any, so columns may widen with their numbers), and so are hex
+    digests and ids (4 or more hex digits, one a digit: `b5ff1223`, `1f7a`); `…`
+    stands for anything (a line the docs cut). A shown line ending in ` \\` goes on in
+    the next, as a long printed line wrapped for the page."""
     out = [line.rstrip() for line in printed.splitlines()]
     at, missing = 0, []
-    for line in (s.rstrip() for s in shown.splitlines()):
+    for line in re.sub(r" \\\n\s*", " ", shown).splitlines():  # a long line, wrapped
+        line = line.rstrip()
         if not line.strip():
             continue
-        pattern = re.compile("".join(
-            r"\s+" if part.isspace() else r"\d[\d,]*(?:\.\d+)?" if NUMBER.fullmatch(part)
-            else re.escape(part)
-            for part in re.split(r"(\s+|\d[\d,]*(?:\.\d+)?)", line.strip()) if part))
+        pattern = re.compile("".join(_pattern(part) for part in FREE.split(line.strip())
+                                     if part))
         found = next((i for i in range(at, len(out)) if pattern.fullmatch(out[i].strip())),
                      None)
         if found is None:
@@ -130,3 +138,15 @@ def matches(shown: str, printed: str) -> list[str]:
 
 def all_blocks() -> list[Block]:
     return [b for doc in DOCS for b in blocks(doc)]
+
+
+def _pattern(part: str) -> str:
+    if "…" in part:
+        return ".*"
+    if part.isspace():
+        return r"\s+"
+    if HEX.fullmatch(part):  # a digest, or a long number (`2469` may print as `2,469`)
+        return rf"(?:[0-9a-f]+|{NUMBER.pattern})"
+    if NUMBER.fullmatch(part):
+        return NUMBER.pattern
+    return re.escape(part)

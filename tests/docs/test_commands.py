@@ -114,8 +114,8 @@ RUN_BY = {
                            "test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
     ("dpserve", "status"): "tests/rollout/test_client.py::"
                            "test_deploy_prints_each_replica_and_exits_0",
-    ("dpserve", "demo"): "tests/integration/test_demo.py::"
-                         "test_the_demo_fine_tunes_and_deploys_right_answers_without_failing_a_request",
+    ("dpserve", "demo"): "tests/integration/test_docs_walk.py::"
+                         "test_the_docs_walked_in_order_in_one_directory_with_one_fleet",
     ("python -m loadtest", "run"): "tests/loadtest/test_cli.py::"
                                    "test_a_run_prints_a_summary_and_writes_results_and_a_plot",
     ("python -m loadtest", "sweep"): "tests/loadtest/test_cli.py::"
@@ -143,6 +143,22 @@ def test_shown_output_matches_word_for_word_with_its_numbers_free():
     assert matches("ddp 139.72 GiB  fits", printed) == ["ddp 139.72 GiB  fits"]  # words count
     assert matches("step 10/20 loss 6.5", printed) == []
     assert matches("step 10/20 loss", printed) == ["step 10/20 loss"]  # whole lines
+
+
+def test_shown_output_matches_with_digests_and_cuts_free():
+    printed = ("deploy 20261129-090112-03bc: runs/ft/step-000020\n"
+               "succeeded in 0.2 s: step-000020@0e9d7c11 is deployed\n"
+               '{"id":"chatcmpl-1","model":"support","choices":[{"content":"four five eight"}]}\n')
+    assert matches("deploy 20261129-082742-1f7a: runs/ft/step-000020\n"
+                   "succeeded in 0.3 s: step-000020@b5ff1223 is deployed\n"
+                   '{… "model":"support",…"content":"four five eight"…', printed) == []
+    assert matches("succeeded in 0.3 s: step-000020@b5ff1223 is rolled back",
+                   printed) == ["succeeded in 0.3 s: step-000020@b5ff1223 is rolled back"]
+    assert matches('{… "content":"four five nine"…', printed) == [
+        '{… "content":"four five nine"…']  # the words outside the cuts still count
+    assert matches("total 2469 examples", "total 2,470 examples") == []
+    assert matches("$ dpserve serve --model m \\\n    --port 1 -- --enforce-eager",
+                   "$ dpserve serve --model m --port 8 -- --enforce-eager") == []
 
 
 def test_every_shown_output_follows_a_block_that_is_run(tmp_path):
