@@ -262,7 +262,7 @@ def _finetune(model_dir: Path, data: Path, output: Path, steps: int, ranks: int,
                 if not tty and int(m[1]) % max(1, steps // 10) == 0:
                     print("  " + line, flush=True)
             elif line.startswith(("finetune:", "checkpoint ")):
-                bar.write("  " + line)
+                bar.write("  " + _shown(line))
     code = proc.wait()
     helpers.remove(proc)
     checkpoint = latest_checkpoint(output)
