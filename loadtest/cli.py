@@ -87,9 +87,13 @@ def _sweep(config: RunConfig, parameter: SweepParameter, values: list[float]) ->
 
 
 def _status(results: list[RunResult]) -> int:
-    failed = [r.metrics for r in results if r.metrics.failed]
-    for metrics in failed:
-        print(f"loadtest: {report.failures_line(metrics)}", file=sys.stderr)
+    """1 if any request failed, saying how many and what the first failure was told."""
+    failed = [r for r in results if r.metrics.failed]
+    for result in failed:
+        print(f"loadtest: {report.failures_line(result.metrics)}", file=sys.stderr)
+        first = next((r for r in result.records if not r.ok and r.detail), None)
+        if first is not None:
+            print(f"loadtest: the first ({first.error}): {first.detail}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -82,7 +82,9 @@ def test_failed_requests_are_counted_and_the_exit_status_says_so(
     assert code == 1
     assert json.loads(out.read_text())["metrics"]["failures"] == {
         "http_500": 2, "incomplete_stream": 1}
-    assert "3 of 6 requests failed: http_500 2, incomplete_stream 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3 of 6 requests failed: http_500 2, incomplete_stream 1" in err
+    assert "the first (http_500): scripted 500" in err  # what the server said, once
 
 
 def test_the_per_replica_breakdown_reads_the_routers_header(
