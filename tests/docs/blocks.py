@@ -73,14 +73,20 @@ class Block:
                 continuing = line.rstrip().endswith("\\")
         return "\n".join(out)
 
-    def commands(self) -> list[str]:
-        """Each command line, continuation lines joined, comments cut."""
+    def commented(self) -> list[tuple[str, str]]:
+        """Each command line, continuation lines joined, with its comment cut off and
+        given beside it (`cmd   # note` -> ("cmd", " note"))."""
         found = []
         for line in re.sub(r"\\\n\s*", " ", self.script()).splitlines():
-            line = line.split("  #", 1)[0].strip()
-            if line and not line.startswith("#"):
-                found.append(line)
+            command, _, comment = line.partition("  #")
+            command = command.strip()
+            if command and not command.startswith("#"):
+                found.append((command, comment))
         return found
+
+    def commands(self) -> list[str]:
+        """Each command line, continuation lines joined, comments cut."""
+        return [command for command, _ in self.commented()]
 
 
 def blocks(doc: Path) -> list[Block]:

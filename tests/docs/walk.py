@@ -73,14 +73,8 @@ def commands(block: Block) -> list[tuple[str, int]]:
     """Each command of the block, continuation lines joined, comments cut (as
     `Block.commands`), with the exit status the docs show it ending with: 0, unless its
     comment says `# exits N` (a refusal the docs show on purpose)."""
-    found = []
-    for line in re.sub(r"\\\n\s*", " ", block.script()).splitlines():
-        command, _, comment = line.partition("  #")
-        command = command.strip()
-        if command and not command.startswith("#"):
-            exits = _EXITS.search(comment)
-            found.append((command, int(exits.group(1)) if exits else 0))
-    return found
+    return [(command, int(exits.group(1)) if (exits := _EXITS.search(comment)) else 0)
+            for command, comment in block.commented()]
 
 
 def shown_output(block: Block) -> str | None:
