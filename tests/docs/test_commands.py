@@ -108,8 +108,8 @@ RUN_BY = {
                            "test_dpserve_router_discovers_a_replica_by_resolving_localhost",
     ("dpserve", "finetune"): "tests/finetune/test_train.py::"
                              "test_sigterm_saves_at_the_next_step_and_exits_cleanly",
-    ("dpserve", "export-merged"): "tests/integration/test_finetune_serving.py::"
-                                  "test_a_merged_lora_adapter_is_served_by_vllm_as_peft_runs_the_adapter",
+    ("dpserve", "export-merged"): "tests/integration/test_docs_walk.py::"
+                                  "test_the_docs_walked_in_order_in_one_directory_with_one_fleet",
     ("dpserve", "deploy"): "tests/integration/test_deploy.py::"
                            "test_a_gated_deploy_under_mixed_load_fails_no_request_and_serves_the_checkpoint",
     ("dpserve", "status"): "tests/rollout/test_client.py::"
