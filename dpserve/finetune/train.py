@@ -155,7 +155,6 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
     planned = min(data.max_steps - t.start_step, cfg.stop_after_steps or data.max_steps)
     probe = MemoryProbe(cfg, d, output, planned)  # what --plan estimates, measured
     epoch = consumed // data.batches_per_epoch
-    last_saved = t.start_step if t.resumed_from is not None else -1
     while step < data.max_steps:
         t0 = time.perf_counter()
         micro = []
@@ -186,11 +185,10 @@ def train(cfg: FinetuneConfig, d: Dist) -> int:
         if periodic or stopping or step == data.max_steps:
             save(cfg, d, output, step, epoch, t.par, t.scheduler, last_loss, t.base_dtype,
                  tokenizer, fingerprint)
-            last_saved = step
         if stopping:
             progress.note(f"stopping at step {step} (checkpoint saved); continue with --resume")
             break
-    if last_saved != step:  # nothing new was trained (resumed at the end)
+    if run_steps == 0:  # resumed at the end: nothing was left to train
         progress.note(f"nothing to train: already at step {step} of {data.max_steps}")
     progress.close(comm_itemised=t.par.comm_itemised)
     if log is not None:
