@@ -279,7 +279,8 @@ class ServeConfig:
     """KV-cache size per CPU replica (VLLM_CPU_KVCACHE_SPACE), in GiB."""
     cpu_binds: str | None = None
     """Cores of each CPU replica, `|` between replicas, vLLM's id-list syntax within
-    one (VLLM_CPU_OMP_THREADS_BIND), e.g. `0-3|4-7`. Default: the cores split evenly."""
+    one, e.g. `0-3|4-7`: the replica's processes run on those only. Default: the cores
+    split evenly."""
     startup_timeout_s: float = 900.0
     """Deadline for a replica's /health to answer after its process starts."""
     restart_backoff_s: float = 1.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -76,11 +77,15 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(data.splitlines()[-lines:]) or "(log is empty)"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the supervisor dies without cleaning up."""
+def _in_child(cores: tuple[int, ...]) -> None:
+    """In the child before exec: get SIGTERM if the supervisor dies without cleaning up,
+    and run only on `cores` (when given; cores this machine lacks are left out)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cores:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)
 
 
 @dataclass(eq=False)
@@ -212,7 +217,7 @@ class Supervisor:
             stdout=m.log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # own process group: the engine core dies with it
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_in_child, spec.cores),
         )
         m.started_at = time.monotonic()
         log.info("replica %s: started pid %d on %s, port %d, log %s",

@@ -78,6 +78,23 @@ def test_named_gpus_and_replica_count_are_honoured():
 def test_explicit_cpu_binds_override_the_split():
     specs = _plan(ServeConfig(model="m", replicas=2, cpu_binds="0-3|4-7"))
     assert [s.env["VLLM_CPU_OMP_THREADS_BIND"] for s in specs] == ["0-3", "4-7"]
+    assert [s.cores for s in specs] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_a_cpu_replica_runs_its_model_in_the_engine_process_on_its_own_cores():
+    r0, r1 = _plan(ServeConfig(model="m", replicas=2, cpu_binds="0,2-3|1"))
+    assert r0.cores == (0, 2, 3) and r1.cores == (1,)
+    assert r0.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # no worker process of its own
+    assert (r0.env["OMP_NUM_THREADS"], r0.env["OMP_PLACES"], r0.env["OMP_PROC_BIND"]) == (
+        "3", "{0,2,3}", "true")
+    assert (r1.env["OMP_NUM_THREADS"], r1.env["OMP_PLACES"]) == ("1", "{1}")
+    # Tensor parallel needs vLLM's worker processes: they keep theirs, bound by vLLM.
+    for args in (["--tensor-parallel-size", "2"], ["-tp=2"],
+                 ["--distributed-executor-backend", "mp"]):
+        spec = _plan(ServeConfig(model="m", replicas=1, cpu_binds="0-3", vllm_args=args))[0]
+        assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+        assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS"} & spec.env.keys()
+    assert all(s.cores == () for s in _plan(ServeConfig(model="m"), gpus=[0, 1]))
 
 
 def test_served_model_name_defaults_to_the_model_argument():

@@ -7,6 +7,7 @@ replica that fails on cue and must not cost a minute of vLLM start-up each.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -167,6 +168,22 @@ async def test_replicas_never_see_the_routers_keys(tmp_path, monkeypatch):
     assert b"secret" not in environ
     assert b"DPSERVE_" not in environ
     assert b"PATH=" in environ  # the rest of the environment is passed on
+
+
+async def test_a_cpu_replica_and_its_engine_run_only_on_the_replicas_cores(tmp_path):
+    usable = sorted(os.sched_getaffinity(0))
+    (spec,) = fake_specs(tmp_path, 1)
+    spec = dataclasses.replace(spec, cores=(usable[-1],))
+    pool = ReplicaPool([Replica(id=spec.id, url=spec.url)])
+    sup = Supervisor([spec], pool, ServeConfig(model="fake", startup_timeout_s=20,
+                                                stop_timeout_s=5))
+    await sup.start()
+    try:
+        group = processes_in_group(sup.pids["r0"])
+        assert len(group) == 2  # server + "engine core", which inherits the binding
+        assert all(os.sched_getaffinity(pid) == {usable[-1]} for pid in group)
+    finally:
+        await sup.stop()
 
 
 async def test_a_replica_slow_to_start_says_so_now_and_then_with_its_phase_and_log(
