@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh scripts/pip_settings.py
 	bash scripts/install.sh
 	touch $@
 
