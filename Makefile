@@ -21,9 +21,7 @@ demo: model
 	$(BIN)/dpserve demo --model $(MODEL_DIR)
 
 test: model
-	$(BIN)/ruff check .
-	$(BIN)/mypy
-	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest $(PYTEST_ARGS)
+	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) bash scripts/test.sh $(BIN) $(PYTEST_ARGS)
 
 test-unit: model
 	DPSERVE_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest --ignore=tests/integration $(PYTEST_ARGS)
