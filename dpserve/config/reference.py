@@ -37,8 +37,12 @@ OTHER_ENVIRONMENT = (
      "the admin key they send (also the router's `admin_key` above)"),
     ("DPSERVE_ENGINE", "`make install`",
      "`cpu` or `gpu`: which vLLM to install (default: `gpu` if `nvidia-smi -L` works)"),
+    ("DPSERVE_INSTALLER", "`make install`",
+     "`uv` (default; given pip's index settings) or `pip`: what installs the packages"),
     ("DPSERVE_TEST_MODEL", "`make test`",
      "a built tiny model the tests use instead of building their own"),
+    ("DPSERVE_TEST_LANES", "`make test`",
+     "`2` (default): tests/integration and the rest side by side; `1`: one after the other"),
 )
 """Variables read outside the config dataclasses: (name, read by, meaning)."""
 
