@@ -35,9 +35,9 @@ class PreflightError(RuntimeError):
 
 
 def preflight(cfg: FinetuneConfig, world_size: int) -> None:
-    from transformers import AutoTokenizer
-
-    from dpserve.finetune.data import load_dataset
+    """What can be refused without the tokenizer first (importing transformers takes
+    ~8 s here): the model and output paths, every line of the data, the resume."""
+    from dpserve.records import read_records
 
     model = Path(cfg.model)
     if model.exists() and not (model / "config.json").is_file():
@@ -45,6 +45,17 @@ def preflight(cfg: FinetuneConfig, world_size: int) -> None:
                              "(no config.json)")
     if not model.exists() and (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1):
         raise PreflightError(f"model: directory {cfg.model} does not exist")
+    data = [Path(p) for p in filter(None, (cfg.data, cfg.eval_data))]
+    for path in data:
+        read_records(path)  # raises DataError naming FILE:LINE
+    _refuse_existing(Path(cfg.output), resume=cfg.resume)
+    if cfg.resume:
+        resume.check(cfg, world_size)
+
+    from transformers import AutoTokenizer
+
+    from dpserve.finetune.data import load_dataset
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     except (OSError, ValueError) as exc:
@@ -56,25 +67,28 @@ def preflight(cfg: FinetuneConfig, world_size: int) -> None:
             check_targets(cfg.model, lora_targets(cfg))
         except LoraError as exc:
             raise PreflightError(str(exc)) from None
-    for path in filter(None, (cfg.data, cfg.eval_data)):
-        load_dataset(Path(path), tokenizer, max_seq_len=cfg.max_seq_len)  # raises DataError
-    _check_output(Path(cfg.output), resume=cfg.resume)
-    if cfg.resume:
-        resume.check(cfg, world_size)
+    for path in data:
+        load_dataset(path, tokenizer, max_seq_len=cfg.max_seq_len)  # raises DataError
+    _check_writable(Path(cfg.output))
 
 
-def _check_output(output: Path, *, resume: bool) -> None:
+def _refuse_existing(output: Path, *, resume: bool) -> None:
+    if not output.is_dir():
+        return
+    existing = ckpt.list_checkpoints(output)
+    if existing and not resume:
+        raise PreflightError(
+            f"output: {output} already holds checkpoints ({existing[-1][1].name} is the "
+            "newest); pass --resume to continue from it, or choose a new --output")
+
+
+def _check_writable(output: Path) -> None:
     try:
         output.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output, prefix=".write-probe-"):
             pass
     except OSError as exc:
         raise PreflightError(f"output: cannot write to {output}: {exc.strerror}") from None
-    existing = ckpt.list_checkpoints(output)
-    if existing and not resume:
-        raise PreflightError(
-            f"output: {output} already holds checkpoints ({existing[-1][1].name} is the "
-            "newest); pass --resume to continue from it, or choose a new --output")
 
 
 def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
@@ -92,7 +106,7 @@ def torchrun_argv(cfg: FinetuneConfig, nproc: int) -> list[str]:
 def run_finetune(cfg: FinetuneConfig, given: Collection[str] = ()) -> int:
     """Check, then train. `given`: the settings given a value (flag, env or file), which
     a resume does not take from its run (`dpserve.finetune.resume`)."""
-    from dpserve.finetune.data import DataError
+    from dpserve.records import DataError
 
     started = time.monotonic()
 
