@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,6 +65,22 @@ def trained(model: Path, data: Path, output: Path, *, nproc: int, **flags: objec
     latest = ckpt.latest_checkpoint(output)
     assert latest is not None
     return latest
+
+
+@dataclass(frozen=True)
+class StoppedRun:
+    """A run stopped part way, with its training state (tests/finetune/conftest.py)."""
+
+    model: Path
+    data: Path
+    output: Path
+
+    def listing(self) -> list[str]:
+        return sorted(str(p.relative_to(self.output)) for p in self.output.rglob("*"))
+
+    def copy(self, to: Path) -> Path:
+        shutil.copytree(self.output, to)
+        return to
 
 
 def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:

@@ -203,15 +203,15 @@ def test_bad_lora_settings_are_one_line_errors_before_anything_starts(base, trai
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_resuming_a_full_run_as_lora_is_refused(base, train_data, tmp_path):
+def test_resuming_a_full_run_as_lora_is_refused(stopped_run):
     """(A LoRA run resumed without the LoRA flags continues its adapter: test_resume.)"""
-    trained(base, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=2,
-            stop_after_steps=1)
-    done = finetune(base, train_data, tmp_path, nproc=1, micro_batch_size=4, max_steps=2,
-                    resume=True, **LORA)
+    before = stopped_run.listing()
+    done = finetune(stopped_run.model, stopped_run.data, stopped_run.output, nproc=2,
+                    micro_batch_size=2, grad_accum=2, max_steps=3, resume=True, **LORA)
     assert done.returncode == 2
     line, = done.stderr.strip().splitlines()
     assert line.startswith("dpserve finetune: lora_rank:") and "every weight" in line
+    assert stopped_run.listing() == before
 
 
 # -- the pieces, in process (no training) ---------------------------------------------------

@@ -101,18 +101,16 @@ def test_the_progress_and_loss_csv_split_step_time_into_compute_and_comm(fsdp_wo
         assert 0 < comm_s < step_s  # two ranks do wait on each other
 
 
-def test_resuming_with_another_strategy_is_refused_before_training(tiny_model, train_data,
-                                                                    tmp_path):
-    trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=4, max_steps=2,
-            strategy="fsdp", stop_after_steps=1)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    done = finetune(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=4,
-                    max_steps=2, strategy="ddp", resume=True)
+def test_resuming_with_another_strategy_is_refused_before_training(stopped_run):
+    before = stopped_run.listing()
+    done = finetune(stopped_run.model, stopped_run.data, stopped_run.output, nproc=2,
+                    micro_batch_size=2, grad_accum=2, max_steps=3, strategy="fsdp",
+                    resume=True)
     assert done.returncode == 2
     line, = done.stderr.strip().splitlines()
-    assert "strategy:" in line and "--strategy fsdp" in line
+    assert "strategy:" in line and "--strategy ddp" in line
     assert "torch.distributed.run" not in done.stdout  # no worker was started
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert stopped_run.listing() == before
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -152,33 +150,32 @@ def test_sharded_weights_are_what_transformers_loads(tiny_model, tmp_path):
 
 
 def test_a_resume_takes_the_runs_settings_and_refuses_a_given_change_naming_it(
-        tiny_model, train_data, tmp_path):
+        stopped_run, tmp_path):
     """Resumed with --grad-accum 1 given, the global batch would halve: refused, naming
     it, unless --resume-changes. Settings left out are the run's, said as taken: on one
     rank instead of two the accumulation doubles to keep the global batch."""
-    trained(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2, grad_accum=2,
-            max_steps=3, stop_after_steps=1)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    done = finetune(tiny_model, train_data, tmp_path, nproc=2, micro_batch_size=2,
-                    grad_accum=1, resume=True)
+    before = stopped_run.listing()
+    done = finetune(stopped_run.model, stopped_run.data, stopped_run.output, nproc=2,
+                    micro_batch_size=2, grad_accum=1, resume=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     line, = done.stderr.strip().splitlines()
     assert "was trained with other settings: global batch (--micro-batch-size x " \
            "--grad-accum x ranks: 2 x 1 x 2 now) 8 in the run, 4 now." in line, line
     assert "--resume-changes" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
-    done = finetune(tiny_model, train_data, tmp_path, nproc=1, max_steps=4,
-                    stop_after_steps=1, resume=True, resume_changes=True)
+    assert stopped_run.listing() == before  # nothing written
+    model, data, run = stopped_run.model, stopped_run.data, stopped_run.copy(tmp_path / "run")
+    done = finetune(model, data, run, nproc=1, max_steps=4, stop_after_steps=1, resume=True,
+                    resume_changes=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "with the run's settings: --micro-batch-size 2, --grad-accum 4\n" in done.stdout
     assert "with changed settings (--resume-changes): --max-steps 3 in the run, 4 now" \
         in done.stdout
-    done = finetune(tiny_model, train_data, tmp_path, nproc=1, resume=True)
+    done = finetune(model, data, run, nproc=1, resume=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "with the run's settings: --max-steps 4, --micro-batch-size 2, --grad-accum 4" \
         in done.stdout
     assert "changed settings" not in done.stdout
-    latest = ckpt.latest_checkpoint(tmp_path)
+    latest = ckpt.latest_checkpoint(run)
     assert latest is not None
     meta = ckpt.read_meta(latest)
     assert meta.step == 4
