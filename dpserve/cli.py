@@ -193,7 +193,7 @@ def _run(ns: argparse.Namespace, extra: list[str]) -> int:
         print(build_tiny_model(Path(ns.output), force=ns.force, size=ns.size))
         return 0
     if ns.command == "demo":
-        from dpserve.demo import DemoOptions, run_demo
+        from dpserve.demo.run import DemoOptions, run_demo
 
         _setup_logging("warning")
         if not 1 <= ns.questions <= 45:

@@ -37,17 +37,12 @@ import httpx
 
 from dpserve.demo.deploy_window import TtftWindows, ttft_windows
 from dpserve.demo.processes import poll, shutdown, stop_group
-from dpserve.demo.tiny import printable, serve_command, wait_ready
+from dpserve.demo.tiny import DEFAULT_STEPS, printable, serve_command, wait_ready
 from dpserve.replicas.launcher import free_port, visible_gpus
 
 PASS_ACCURACY = 0.8
 """Share of held-out questions the fine-tuned model must answer exactly."""
 
-# Measured on the demo data, all 45 held-out questions, greedy: 300 steps answer
-# 45, 45 and 44 of them right (seeds 0, 1, 2); 240 steps, 45 (seed 0). The loss
-# sits near 1.5 for ~100 steps, then drops fast, so far fewer steps learn nothing.
-# One step of global batch 32 takes ~50 ms on 2 idle cores.
-DEFAULT_STEPS = 300
 FINETUNE_FLAGS = (
     "--micro-batch-size", "16", "--lr", "3e-3", "--warmup-steps", "20", "--save-every", "0",
     "--log-every", "1", "--seed", "0",

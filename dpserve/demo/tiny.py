@@ -16,6 +16,13 @@ TINY_VLLM_ARGS = (
     "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32",
 )
 
+# Measured on the demo data, all 45 held-out questions, greedy: 300 steps answer
+# 45, 45 and 44 of them right (seeds 0, 1, 2); 240 steps, 45 (seed 0). The loss
+# sits near 1.5 for ~100 steps, then drops fast, so far fewer steps learn nothing.
+# One step of global batch 32 takes ~50 ms on 2 idle cores.
+DEFAULT_STEPS = 300
+
+
 def serve_command(model_dir: Path, *, replicas: int, port: int, served_name: str,
                   run_dir: Path | None = None, checkpoint_root: Path | None = None
                   ) -> list[str]:
