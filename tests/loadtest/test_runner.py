@@ -51,8 +51,10 @@ async def test_duration_stops_sending_new_requests(fake_server):
 async def test_a_closed_loop_with_a_duration_ends_on_time(fake_server):
     server = await fake_server(Script(ttft_s=0.01, itl_s=0.002))
     outcome = await run_load(plan(server, [0.0] * 100_000, max_concurrency=4, duration_s=0.4))
-    assert 20 < len(outcome.records) < 200
-    assert outcome.duration_s < 0.6
+    # The whole schedule would take minutes; the run stops sending at 0.4 s and ends
+    # with the requests then in flight (bounds loose for a busy machine).
+    assert 4 <= len(outcome.records) < 400
+    assert outcome.duration_s < 3.0
 
 
 async def test_warm_up_requests_are_sent_first_and_not_recorded(fake_server):
@@ -66,7 +68,9 @@ async def test_a_hung_request_ends_at_its_timeout_and_the_run_goes_on(fake_serve
     server = await fake_server(Script(faults={0: "hang"}))
     started = time.perf_counter()
     outcome = await run_load(plan(server, [0.0, 0.01, 0.02], request_timeout_s=0.3))
-    assert time.perf_counter() - started < 1.5
+    # The hung request never answers: without its timeout the run would never end. The
+    # bound is far above 0.3 s (a busy CI machine took 2 s) and far below forever.
+    assert time.perf_counter() - started < 20
     assert sorted(str(r.error) for r in outcome.records) == ["None", "None", "timeout"]
 
 

@@ -19,9 +19,13 @@ from dpserve.metrics.process import ProcessCollector, cpuset_size, replica_cores
 from tests.waiting import wait_for_sync
 
 # A parent that starts a child and waits: the shape of a vLLM API server and its engine core.
+# The child says `ready` on the shared stdout once its interpreter is up: caught earlier
+# (just forked, or just exec'd) its memory is a fraction of a started one's, and a scrape
+# under load once found it so (the tree 1.19x the parent alone).
 PARENT_WITH_CHILD = (
     "import subprocess, sys, time;"
-    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    "subprocess.Popen([sys.executable, '-c', 'import time; print(\"ready\", flush=True); "
+    "time.sleep(60)']);"
     "time.sleep(60)"
 )
 BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
@@ -32,7 +36,8 @@ def spawn() -> Iterator:
     started: list[subprocess.Popen] = []
 
     def start(code: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
         started.append(proc)
         return proc
 
@@ -41,6 +46,7 @@ def spawn() -> Iterator:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the children go too
         proc.wait()
+        proc.stdout.close()
 
 
 def scrape(collector: ProcessCollector) -> dict[tuple[str, str], float]:
@@ -72,6 +78,7 @@ def wait_idle(pid: int) -> None:
 
 def test_memory_is_summed_over_the_replica_process_tree(spawn):
     parent = spawn(PARENT_WITH_CHILD)
+    assert parent.stdout.readline() == "ready\n"  # the child's interpreter is up
     (child,) = wait_children(parent.pid, 1)
     got = scrape(ProcessCollector(lambda: {"r0": parent.pid}))
     alone = psutil.Process(parent.pid).memory_info().rss

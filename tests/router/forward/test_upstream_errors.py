@@ -200,7 +200,7 @@ def test_hostile_bodies_are_answered_quickly_and_bounded(body):
     start = time.perf_counter()
     status, error = wrapped(500, body)
     assert status == 500 and len(error["message"]) <= MAX_MESSAGE_CHARS
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 3.0  # milliseconds when bounded; a busy CI: slower
 
 
 def test_a_large_body_in_the_envelope_passes_unparsed():

@@ -76,7 +76,7 @@ async def test_an_idle_new_connection_is_closed_without_an_answer(fake_replicas)
         started = time.monotonic()
         raw, closed = await exchange(port_of(url), until_closed=True, deadline_s=5)
         assert closed and raw == b""
-        assert time.monotonic() - started < 1.0 + 1.5
+        assert time.monotonic() - started < 1.0 + 3.0  # the 1 s limit, not the 5 s deadline
 
 
 async def test_oversized_headers_get_431_and_never_reach_a_replica(fake_replicas):
@@ -102,7 +102,7 @@ async def test_a_stalled_body_gets_408_and_never_reaches_a_replica(fake_replicas
             until_closed=True, deadline_s=5)
         (answer,) = parse_responses(raw)
         assert answer.status == 408 and closed
-        assert time.monotonic() - started < 1.0 + 1.5
+        assert time.monotonic() - started < 1.0 + 3.0  # the 1 s limit, not the 5 s deadline
     assert replica.reached() == []
 
 
@@ -173,7 +173,7 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_time
         raw, closed = await exchange(port_of(url), completion(), until_closed=True,
                                      deadline_s=5)
         assert [a.status for a in parse_responses(raw)] == [200]
-        assert closed and time.monotonic() - started < 1.0 + 1.5
+        assert closed and time.monotonic() - started < 1.0 + 3.0  # the limit, not the deadline
 
 
 async def test_a_malformed_request_gets_400_in_the_openai_envelope(fake_replicas):

@@ -176,7 +176,7 @@ async def test_a_follower_holds_clients_to_the_limits_before_relaying(fake_repli
         finally:
             dripping.cancel()
             writer.close()
-        assert closed and time.monotonic() - started < 1.0 + 1.5
+        assert closed and time.monotonic() - started < 1.0 + 3.0  # the limit, not the deadline
         (answer,) = parse_responses(raw)
         assert answer.status == 408
     assert clients_prompts(replica, other) == []
