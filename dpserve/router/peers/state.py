@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dpserve.router.fleet.pool import ReplicaPool
 from dpserve.router.kv.forecast import Forecast
 from dpserve.router.kv.index import KEY_FINGERPRINT, KVIndex
 from dpserve.router.peers.wire import PeerReport
+from dpserve.router.routing.policies.kv_aware import SentPrompt
 from dpserve.router.routing.policies.recent_work import DEFAULT_HALF_LIFE_S
 
 PEER_SILENT_S = 3.0
@@ -106,6 +107,9 @@ class PeerState:
         self._shares: tuple[tuple[bytes, ...], float, frozenset[str]] | None = None
         """(routers, when, this router's share) as last dealt."""
         self.stats = PeerStats()
+        self.on_prompts: Callable[[list[SentPrompt]], None] | None = None
+        """Told of the peers' prompts added to the forecast (the router's other
+        data-plane workers forecast them too: `dpserve.router.workers.kv_share`)."""
 
     def receive(self, report: PeerReport) -> None:
         """Apply one report (the channel's `on_report`)."""
@@ -177,6 +181,20 @@ class PeerState:
         for replica in self._pool:
             replica.peer_in_flight = totals.get(replica_key(replica.url), 0)
 
+    def work_as_of(self) -> tuple[float, dict[str, float]]:
+        """The peers' work per replica URL as of the last report heard (work decays the
+        same for all: at `now` it is each value times exp(-rate (now - at))), so that
+        it changes only when a report arrives: (at, {url: work})."""
+        if not self._peers:
+            return 0.0, {}
+        at = max(p.heard_at for p in self._peers.values())
+        totals: dict[str, float] = {}
+        for peer in self._peers.values():
+            decay = math.exp(-self._rate * (at - peer.heard_at))
+            for url, value in peer.work.items():
+                totals[url] = totals.get(url, 0.0) + value * decay
+        return at, totals
+
     def _add_prompts(self, report: PeerReport, now: float) -> None:
         index, forecast = self._index, self._forecast
         if index is None or forecast is None:
@@ -184,11 +202,27 @@ class PeerState:
         if report.fingerprint != KEY_FINGERPRINT:
             self.stats.foreign_keys += 1
             return
-        by_url = {replica_key(r.url): r for r in self._pool}
-        for url, size, keys in report.pending:
-            replica = by_url.get(replica_key(url))
-            if replica is None or index.block_size(replica.id) != size:
-                self.stats.unknown_replicas += 1
-                continue
-            forecast.add(replica.id, keys, now)
-            self.stats.prompts += 1
+        added, unknown = forecast_prompts(index, forecast, self._pool, report.pending, now)
+        self.stats.prompts += len(added)
+        self.stats.unknown_replicas += unknown
+        if added and self.on_prompts is not None:
+            self.on_prompts(added)
+
+
+def forecast_prompts(index: KVIndex, forecast: Forecast, pool: ReplicaPool,
+                     prompts: Iterable[SentPrompt], now: float
+                     ) -> tuple[list[SentPrompt], int]:
+    """Add prompts placed elsewhere (by a peer, or by another worker of this router) to
+    `forecast`, each for the replica of its URL if `index` has that replica at the same
+    block size: (those added, how many were not)."""
+    by_url = {replica_key(r.url): r for r in pool}
+    added: list[SentPrompt] = []
+    unknown = 0
+    for url, size, keys in prompts:
+        replica = by_url.get(replica_key(url))
+        if replica is None or index.block_size(replica.id) != size:
+            unknown += 1
+            continue
+        forecast.add(replica.id, keys, now)
+        added.append((url, size, keys))
+    return added, unknown

@@ -109,6 +109,9 @@ class KVAware:
         self.forecast = forecast
         self.sent: list[SentPrompt] | None = None
         """Prompts placed since peers last took them (`take_sent`); None: nobody asks."""
+        self.on_sent: Callable[[SentPrompt], None] | None = None
+        """Told of each prompt placed and forecast (the router's other data-plane workers
+        forecast it too: `dpserve.router.workers.kv_share`)."""
         self.needs: frozenset[str] = frozenset({"tokens", "engine_load"}) | fallback.needs
         self.stats = KVRoutingStats(fallbacks=dict.fromkeys(FALLBACK_REASONS, 0),
                                     cached_histogram=[0] * (len(CACHED_BUCKETS) + 1))
@@ -175,11 +178,19 @@ class KVAware:
         if not keys:
             return
         forecast.add(chosen.id, keys, now)
+        placed = (chosen.url, size, tuple(keys))
+        self.keep_for_peers([placed])
+        if self.on_sent is not None:
+            self.on_sent(placed)
+
+    def keep_for_peers(self, prompts: Sequence[SentPrompt]) -> None:
+        """Keep `prompts` (placed here, or by this router's other workers) for the next
+        report to peers, when there are peers."""
         sent = self.sent
         if sent is not None:
-            sent.append((chosen.url, size, tuple(keys)))
+            sent.extend(prompts)
             if len(sent) > MAX_SENT_KEPT:
-                del sent[0]
+                del sent[:len(sent) - MAX_SENT_KEPT]
 
     def take_sent(self) -> list[SentPrompt]:
         """The prompts placed since the last call (the first call starts keeping them)."""
