@@ -212,8 +212,6 @@ def _validate_peers(c: RouterConfig) -> None:
             and " " not in c.peer_key, "router.peer_key",
             f"must be at least {MIN_PEER_KEY_CHARS} printable characters, no spaces",
             "<hidden>")
-    require(c.workers == 1, "router.workers",
-            "must be 1 with peers (several workers do not share with peers yet)", c.workers)
 
 
 def validate_serve(c: ServeConfig) -> None:

@@ -96,8 +96,8 @@ class RouterConfig:
     the others, every 10 ms while something changes, its requests in flight on each
     replica, which `kv-aware` and `engine-load` add to the engines' queue, and under
     `kv-aware` the work it sent lately and the prompts it sent (counted as cached where
-    they went until the engine reports them). Needs `peer_key`. `dpserve router` only,
-    one worker."""
+    they went until the engine reports them). Needs `peer_key`. `dpserve router` only;
+    with several `workers`, the first talks to the peers for all of them."""
     peer_bind: str | None = None
     """`HOST:PORT` where this router publishes its reports to its peers (e.g.
     `0.0.0.0:5560`); unset with `peers` set: this router only listens."""

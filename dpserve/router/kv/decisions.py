@@ -29,3 +29,6 @@ class KVRoutingStats:
     bucket of CACHED_BUCKETS (at most that many tokens), then one for longer ones."""
     last_cached_tokens: int = 0
     """The cached-prefix length of the latest decision on events."""
+    relayed_prompts: int = 0
+    """Prompts the router's other data-plane workers placed (and, on the followers, those
+    its peers placed), counted as held where they went (`dpserve.router.workers.kv_share`)."""

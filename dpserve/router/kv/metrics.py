@@ -129,4 +129,10 @@ class KVCollector(Collector):
             "dpserve_kv_cached_prefix_tokens",
             "Per request placed on events: the chosen replica's cached-prefix length.",
             buckets=buckets, sum_value=r.cached_tokens)
-        return [ready, decisions, tokens, histogram]
+        relayed = CounterMetricFamily(
+            "dpserve_kv_relayed_prompts",
+            "Prompts placed by another data-plane worker of this router (or, on the "
+            "workers after the first, by a peer router) and counted as held where they "
+            "went until that engine reports them, summed over the workers.")
+        relayed.add_metric([], r.relayed_prompts)
+        return [ready, decisions, tokens, histogram, relayed]

@@ -47,6 +47,7 @@ SUMMED_FAMILIES: frozenset[str] = frozenset({
     "dpserve_kv_routing_decisions",
     "dpserve_kv_routed_tokens",
     "dpserve_kv_cached_prefix_tokens",
+    "dpserve_kv_relayed_prompts",
 })
 """The families every worker's data plane updates, by the names prometheus_client's
 parser gives them (a counter's without `_total`). `kv-aware`'s index and feed series are

@@ -36,6 +36,7 @@ from dpserve.router.http.app import FORWARDED_ROUTES, Router, build_data_plane
 from dpserve.router.http.auth import OPEN_PATHS, authenticate, is_admin_path
 from dpserve.router.routing.canary import CanarySplit
 from dpserve.router.routing.policies import shared_memory
+from dpserve.router.workers.kv_share import FollowerShare
 from dpserve.router.workers.leader import TICK_S
 from dpserve.router.workers.wire import (
     Channel,
@@ -74,6 +75,7 @@ class Follower:
         self._slots: dict[str, int] = {}
         if self._memory is not None:
             share(self._memory, work, self._slots, on_journal=self._learned_here)
+        self._kv = FollowerShare(router, channel.send)
         self.has_table = asyncio.Event()
         """Set once the first table is applied: the follower may route."""
         self.closed = asyncio.Event()
@@ -92,6 +94,8 @@ class Follower:
                 elif op == "learn":
                     if self._memory is not None:
                         self._memory.absorb(message)
+                elif op == "prompts":
+                    self._kv.absorb(message)
                 elif op == "evict":
                     self._router.dispatcher.streams.evict(message["replica"])
                 elif op == "reply":
@@ -160,6 +164,7 @@ class Follower:
         if epoch != self._canary_epoch:
             self._canary_epoch = epoch
             dispatcher.canary = None if canary is None else CanarySplit.from_spec(canary)
+        self._kv.apply(table["peers"])
         if table["adapters"] != self._adapters:
             self._adapters = table["adapters"]
             apply_adapter_table(self._router.adapters, table["adapters"])

@@ -25,6 +25,7 @@ from dpserve.router.fleet.pool import Replica
 from dpserve.router.routing.canary import CanarySplit, Sample
 from dpserve.router.routing.policies import Journal, shared_memory
 from dpserve.router.telemetry.collectors import WorkerRow, WorkersCollector
+from dpserve.router.workers.kv_share import LeaderShare
 from dpserve.router.workers.wire import Channel, Message, adapter_table, replica_row
 from dpserve.router.workers.work_table import MAX_SLOTS, WorkTable, share
 
@@ -92,6 +93,7 @@ class Leader:
         router.dispatcher.streams.peers = self
         router.metrics.others = lambda: [f.metrics for f in self._followers.values()]
         router.metrics.registry.register(WorkersCollector(self._rows))
+        self._kv = LeaderShare(router, self._broadcast)
 
     def _pool_changed(self) -> None:
         ready = bool(self._pool.ready())
@@ -194,6 +196,7 @@ class Leader:
             "canary": None if canary is None else {**canary.spec(),
                                                    "epoch": self._canary_epoch},
             "adapters": adapter_table(self._router.adapters),
+            "peers": self._kv.table_section(),
         }
 
     def _learned_here(self) -> None:
@@ -211,10 +214,13 @@ class Leader:
         same replica, so the sooner the better (a tick's 20 ms, at 22 req/s, made
         that one request in five and p99 TTFT 16% worse)."""
         if journal["work"] or journal["homes"]:
-            message = {"op": "learn", **journal}
-            for follower in self._followers.values():
-                if follower is not source:
-                    follower.channel.send(message)
+            self._broadcast({"op": "learn", **journal}, source)
+
+    def _broadcast(self, message: Message, source: object | None) -> None:
+        """Send `message` to every follower but `source`."""
+        for follower in self._followers.values():
+            if follower is not source:
+                follower.channel.send(message)
 
     async def _publish(self, follower: _Follower) -> None:
         while True:
@@ -239,6 +245,8 @@ class Leader:
                 if self._memory is not None:
                     self._memory.absorb(message)
                     self._share(message, follower)
+            elif op == "prompts":
+                self._kv.absorb(message, follower)
             elif op == "http":
                 task = asyncio.create_task(self._answer(follower, message),
                                            name=f"dpserve-relayed-{follower.worker}")

@@ -26,6 +26,7 @@ from dpserve.router.http.app import Router
 from dpserve.router.http.server import bind_socket, uvicorn_server
 from dpserve.router.kv.routing import PromptTokens
 from dpserve.router.workers.follower import Follower, follower_app
+from dpserve.router.workers.kv_share import follower_config
 from dpserve.router.workers.leader import Leader
 from dpserve.router.workers.wire import Channel, config_from, config_message
 from dpserve.router.workers.work_table import WorkTable
@@ -101,7 +102,7 @@ class Workers:
             theirs.close()
             self._procs[worker] = proc
             channel = await Channel.open(ours)
-            channel.send({**config_message(self._config), "port": self._port,
+            channel.send({**config_message(follower_config(self._config)), "port": self._port,
                           "work_fd": work_fd, "workers": self._count})
             self.leader.attach(worker, channel)
             code = await proc.wait()

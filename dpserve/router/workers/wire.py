@@ -2,10 +2,12 @@
 
 Leader to follower: `config` (once, first: the RouterConfig, keys included, which is
 why it goes over the socket pair and never through argv or the environment),
-`table` (the replica table, see `replica_row`), `evict` (move a drained replica's
-streams), `reply` (the answer to a relayed request), `stop`.
+`table` (the replica table, see `replica_row`; with peers, what they said),
+`evict` (move a drained replica's streams), `reply` (the answer to a relayed request),
+`learn` and `prompts` (what other workers and the peers placed), `stop`.
 Follower to leader: `report` (acknowledges a table; own in-flight counts and the
-rest), `http` (a request for the leader to answer).
+rest), `http` (a request for the leader to answer), `learn` and `prompts` (what it
+placed).
 
 The socket pair is private to the two processes; nothing on it is parsed from a
 client but the relayed request, which the leader's own app then checks as it
@@ -87,6 +89,8 @@ def replica_row(replica: Replica, elsewhere: int, slot: int | None) -> Message:
         "engine": None if engine is None else _engine_row(engine),
         "scraped_at": replica.engine_scraped_at,
         "at_scrape": replica.engine_in_flight_at_scrape,
+        "peers": replica.peer_in_flight,
+        "peers_at_scrape": replica.engine_peer_in_flight_at_scrape,
     }
 
 
@@ -108,6 +112,8 @@ def apply_row(replica: Replica, row: Message) -> ReplicaState:
     replica.engine = None if engine is None else _engine_from(engine)
     replica.engine_scraped_at = row["scraped_at"]
     replica.engine_in_flight_at_scrape = row["at_scrape"]
+    replica.peer_in_flight = row["peers"]
+    replica.engine_peer_in_flight_at_scrape = row["peers_at_scrape"]
     return ReplicaState(row["state"])
 
 

@@ -5,6 +5,7 @@ its prefix is cached, and `/metrics` counts every worker's decisions."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import httpx
@@ -84,3 +85,75 @@ async def test_each_turn_goes_where_the_conversation_is_cached_whichever_worker_
         delta = await wait_for(lambda: counted(url, before, turns), "every turn counted")
         assert (delta["events"], delta["no_events"], delta["no_tokens"]) == (turns, 0, 0)
         assert delta["0"] > 0 and delta["1"] > 0, delta  # both workers took turns
+
+
+SLOW_PREFILL = dataclasses.replace(EVENTS, prefill_per_token_s=0.015)
+"""A ~200-token prompt prefills for ~3 s in one step: its blocks are published after."""
+TENANT = " ".join(f"rule{i:03d} of the tenant" for i in range(60))
+RELAYED = "dpserve_kv_relayed_prompts_total"
+ATTEMPTS = 6
+
+
+async def complete(url: str, prompt: str) -> str:
+    """One completion on a connection of its own; the replica that served it."""
+    async with httpx.AsyncClient() as client:
+        resp = await client.post(url + "/v1/completions", timeout=30, json={
+            "model": EVENTS.model, "prompt": prompt, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-dpserve-replica"]
+
+
+async def scraped(url: str, name: str) -> float:
+    async with httpx.AsyncClient() as client:
+        return metric((await client.get(url + "/metrics")).text, name)
+
+
+async def tenant_follows_its_first_request(url: str, first_url: str, tenant: str,
+                                           relayed: float) -> tuple[str, list[str]]:
+    """A tenant's first request to `first_url`, and while it prefills, once `url`'s
+    `/metrics` counts one more prompt relayed between workers than `relayed`, four more
+    to `url` on connections of their own: (where the first went, where the others went)."""
+    first = asyncio.create_task(complete(first_url, tenant + " question one"))
+    try:
+        await wait_for(lambda: _more(url, RELAYED, relayed),
+                       "the prompt relayed to the other worker", within_s=10)
+        others = await asyncio.gather(*(complete(url, f"{tenant} question {k}")
+                                        for k in range(2, 6)))
+    finally:
+        home = await first
+    return home, list(others)
+
+
+async def _more(url: str, name: str, than: float) -> bool:
+    return await scraped(url, name) > than
+
+
+async def test_a_prompt_one_worker_placed_draws_the_other_workers_requests_with_its_prefix():
+    """The first request prefills on one replica for seconds, its blocks not yet
+    published; the others, whichever worker takes them, follow it there rather than to
+    the idle replica (each worker forecasts what every worker placed)."""
+    async with Fleet(n=2, config=SLOW_PREFILL) as fleet, router_with_workers(
+            *fleet.urls, flags=("--policy", "kv-aware", "--tokenizer", "sim")) as (url, _):
+        await _both_workers_on_events(url)
+        for attempt in range(ATTEMPTS):
+            before = await decisions(url)
+            home, others = await tenant_follows_its_first_request(
+                url, url, f"tenant {attempt} {TENANT}", await scraped(url, RELAYED))
+            assert others == [home] * len(others), (home, others)
+            delta = await wait_for(lambda b=before: counted(url, b, 5), "every request counted")
+            if delta["0"] and delta["1"]:
+                return  # both workers placed some of them
+        raise AssertionError(f"the kernel gave one worker every connection {ATTEMPTS} times")
+
+
+async def _both_workers_on_events(url: str) -> None:
+    async def every_worker_routes_on_events() -> bool:
+        before = await decisions(url)
+        round_ = [await chat(url, [{"role": "user", "content": f"probe {i}"}])
+                  for i in range(8)]
+        delta = await wait_for(lambda: counted(url, before, len(round_)),
+                               "the round's decisions counted")
+        return delta["events"] == len(round_) and delta["0"] > 0 and delta["1"] > 0
+
+    await wait_for(every_worker_routes_on_events, "both workers routing on events",
+                   within_s=60, every_s=0.5)

@@ -17,8 +17,10 @@ from dpserve.router.http.app import Router
 from dpserve.router.routing.policies import kv_aware_of
 from dpserve.sim import Fleet
 from tests.conftest import running_router
+from tests.router.kv import test_workers_sim as workers_sim
 from tests.router.kv.test_two_routers_sim import metric
 from tests.router.telemetry.test_series import PEER_SERIES, sample_names
+from tests.router.workers.test_workers import router_with_workers
 from tests.sim.conftest import FAST
 from tests.waiting import wait_for
 
@@ -85,4 +87,40 @@ async def test_a_prompt_placed_by_one_router_draws_the_others_request_with_its_p
         assert set(PEER_SERIES) <= sample_names(text)
         assert metric(text, "dpserve_peers_live") == 1
         assert metric(text, "dpserve_peer_prompts_total") >= 1
+        assert metric(text, "dpserve_peer_reports_rejected_total") == 0
+
+
+async def test_routers_with_several_workers_each_share_what_they_place_through_their_first():
+    """Two routers of two workers each, told of each other: a prompt placed by either
+    worker of one draws the other router's requests with its prefix, whichever of its
+    workers takes them. Only each router's first worker talks to the peers."""
+    pa, pb = free_port(), free_port()
+    flags = ("--policy", "kv-aware", "--tokenizer", "sim")
+    env = {"DPSERVE_PEER_KEY": KEY}
+    async with Fleet(n=2, config=workers_sim.SLOW_PREFILL) as fleet, router_with_workers(
+            *fleet.urls, env=env, flags=(*flags, "--peer-bind", f"127.0.0.1:{pa}", "--peer",
+                                         f"127.0.0.1:{pb}")) as (a_url, _), \
+            router_with_workers(*fleet.urls, env=env, flags=(
+                *flags, "--peer-bind", f"127.0.0.1:{pb}", "--peer",
+                f"127.0.0.1:{pa}")) as (b_url, _):
+        for url in (a_url, b_url):
+            await workers_sim._both_workers_on_events(url)
+            await wait_for(lambda u=url: workers_sim.scraped(u, "dpserve_peers_live"),
+                           "hearing the other router")
+        for attempt in range(workers_sim.ATTEMPTS):
+            before = await workers_sim.decisions(b_url)
+            home, others = await workers_sim.tenant_follows_its_first_request(
+                b_url, a_url, f"tenant {attempt} {TENANT}",
+                await workers_sim.scraped(b_url, workers_sim.RELAYED))
+            assert others == [home] * len(others), (home, others)
+            delta = await wait_for(lambda b=before: workers_sim.counted(b_url, b, 4),
+                                   "every request counted")
+            if delta["0"] and delta["1"]:
+                break  # both of B's workers placed some of them
+        else:
+            raise AssertionError("the kernel gave one of B's workers every connection "
+                                 f"{workers_sim.ATTEMPTS} times")
+        async with aiohttp.ClientSession() as s, s.get(b_url + "/metrics") as resp:
+            text = await resp.text()
+        assert metric(text, "dpserve_peers_live") == 1  # the first worker's peer link alone
         assert metric(text, "dpserve_peer_reports_rejected_total") == 0

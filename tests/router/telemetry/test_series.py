@@ -49,7 +49,8 @@ KV_SERIES = {
     for name in ("dpserve_kv_routing_decisions_total", "dpserve_kv_routed_tokens_total",
                  "dpserve_kv_index_blocks", "dpserve_kv_event_lag_seconds",
                  "dpserve_kv_event_gaps_total", "dpserve_kv_event_replays_total",
-                 "dpserve_kv_event_resyncs_total", "dpserve_kv_events_following")
+                 "dpserve_kv_event_resyncs_total", "dpserve_kv_events_following",
+                 "dpserve_kv_relayed_prompts_total")
 }
 PEER_SERIES = {
     name: "the channel between routers: only a router with `--peer` has them; "
