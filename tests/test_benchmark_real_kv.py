@@ -32,9 +32,14 @@ def test_the_report_pairs_arms_round_by_round(capsys):
     for rnd, (a, b) in enumerate([(50.0, 40.0), (60.0, 60.0)]):
         for arm, hits in (("dpserve:kv-aware", a), ("dpserve:prefix-affinity", b)):
             runs.append(real_kv.Run(1.5, rnd, arm, hits=hits, queries=100.0,
-                                    ttft_ms=[100.0, 200.0], requests=2, moved=1))
+                                    ttft_ms=[100.0, 200.0], requests=2, moved=1,
+                                    engine={"ttft_s": 0.2 * (rnd + 1), "ttft_n": 2.0,
+                                            "queue_s": 0.1, "queue_n": 2.0,
+                                            "preemptions": 1.0}))
     real_kv.report(runs, [real_kv.parse_arm("dpserve:kv-aware"),
                           real_kv.parse_arm("dpserve:prefix-affinity")])
     out = capsys.readouterr().out
-    assert "| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 |" in out
+    # the engines' own means over both rounds' requests: (0.2 + 0.4) s / 4, 0.2 s / 4
+    assert "| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 | 100 | 200 | 150 | 50 | n/a | 2 |" \
+        in out
     assert "hit rate 1.125 [1.000, 1.250]" in out

@@ -15,10 +15,12 @@ template, answers counted at ``--max-tokens``). One fleet per pressure.
 Per round, every arm in turn (the order rotated each round): every replica's prefix
 cache reset (``POST /reset_prefix_cache``), the arm's router process(es) started against
 the replicas, the chats of ``real_chat.py`` (the same conversations for every arm of a
-round, new ones each round), the engines' prefix-cache hits and queries before and
-after, the routers' CPU. dpserve's kv-aware reads prompts with ``--tokenizer`` on the
-model's own tokenizer and chat template; vllm-router's kv_aware with the engines' block
-size (128 on CPU) and the served name.
+round, new ones each round), the engines' own counts before and after (prefix-cache hits and
+queries; per request, their TTFT from its arrival at the engine, split into the time in
+the engine's queue and prefilling; preemptions), the routers' CPU. A client's TTFT
+above the engine's is the router, the network and the client waiting for a core.
+dpserve's kv-aware reads prompts with ``--tokenizer`` on the model's own tokenizer and
+chat template; vllm-router's kv_aware with the engines' block size (128 on CPU) and the served name.
 
 The machine is shared: 2 engines on 2 cores with the routers and the client beside them,
 so TTFT includes waiting for a core; hit rates are the engines' own. Exit status 0 when
@@ -136,6 +138,9 @@ class Run:
     moved: int | None = None
     """Turns served by another replica than the turn before (None: the router does not
     name the replica)."""
+    engine: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The engines' own counts over the run (`ENGINE_SERIES`' short names)."""
+
     error: str | None = None
 
     @property
@@ -203,7 +208,8 @@ class Bench:
         finally:
             for s in started:
                 s.stop()
-        out.hits, out.queries = after[0] - before[0], after[1] - before[1]
+        out.engine = {name: after[name] - before[name] for name in after}
+        out.hits, out.queries = out.engine["hits"], out.engine["queries"]
         out.cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         out.requests = len(turns)
         out.failed = sum(t.error is not None for t in turns)
@@ -239,20 +245,35 @@ class Bench:
         return service, url
 
 
-def engine_counts(urls: Sequence[str]) -> tuple[float, float]:
-    """The fleet's prefix-cache (hits, queries) in tokens, from every engine's /metrics."""
-    hits = queries = 0.0
+ENGINE_SERIES = {
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:time_to_first_token_seconds_sum": "ttft_s",
+    "vllm:time_to_first_token_seconds_count": "ttft_n",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+    "vllm:request_queue_time_seconds_count": "queue_n",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_prefill_time_seconds_count": "prefill_n",
+    "vllm:num_preemptions_total": "preemptions",
+}
+"""What the engines count, summed over the fleet: their prefix cache in tokens, and per
+request their own TTFT (from arrival at the engine), the time waiting in its queue
+and the time prefilling, and the preemptions (a request pushed out for KV space)."""
+
+
+def engine_counts(urls: Sequence[str]) -> dict[str, float]:
+    """The fleet's totals of `ENGINE_SERIES` (by their short names), from every engine's
+    /metrics."""
+    totals = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
     for url in urls:
         status, body = http_call(f"{url}/metrics", timeout=5.0)
         if status != 200:
             raise RuntimeError(f"{url}/metrics: HTTP {status}")
         for line in body.decode(errors="replace").splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name == "vllm:prefix_cache_hits_total":
-                hits += float(line.rsplit(" ", 1)[1])
-            elif name == "vllm:prefix_cache_queries_total":
-                queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+            name = ENGINE_SERIES.get(line.split("{", 1)[0].split(" ", 1)[0])
+            if name is not None:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
@@ -266,9 +287,9 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
     for pressure in sorted({r.pressure for r in runs}):
         print(f"\n## working set / fleet cache {pressure:g}: medians over rounds "
               "[min, max]; TTFT ms of every round's turns pooled")
-        print("| arm | hit rate | TTFT mean | p50 | p99 | moved turns | failed | "
-              "router CPU ms/req |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| arm | hit rate | TTFT mean | p50 | p99 | engine TTFT | queue | prefill | "
+              "preempted | moved turns | failed | router CPU ms/req |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for arm in arms:
             mine = [r for r in runs if r.pressure == pressure and r.arm == arm.name]
             if not mine:
@@ -279,6 +300,9 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
             print(f"| {arm.label} | {_spread(rates, pct=True)} | "
                   f"{_num(statistics.fmean(ttft) if ttft else None)} | "
                   f"{_num(percentile(ttft, 50))} | {_num(percentile(ttft, 99))} | "
+                  f"{_engine_ms(mine, 'ttft')} | {_engine_ms(mine, 'queue')} | "
+                  f"{_engine_ms(mine, 'prefill')} | "
+                  f"{_num(sum(r.engine.get('preemptions', 0.0) for r in mine))} | "
                   f"{_moved(mine)} | {sum(r.failed for r in mine)} | "
                   f"{_num(statistics.median(cpu) if cpu else None, 1)} |")
         for a, b in (("dpserve:kv-aware:2", "dpserve:kv-aware"),
@@ -290,6 +314,13 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
                 print(f"- {a} / {b}, per round: hit rate "
                       f"{_spread([x for x, _ in pairs])}, mean TTFT "
                       f"{_spread([y for _, y in pairs])}")
+
+
+def _engine_ms(runs: Sequence[Run], what: str) -> str:
+    """The engines' mean over every round's requests (NA where they count none)."""
+    total = sum(r.engine.get(f"{what}_s", 0.0) for r in runs)
+    n = sum(r.engine.get(f"{what}_n", 0.0) for r in runs)
+    return _num(total / n * 1000) if n else NA
 
 
 def _moved(runs: Sequence[Run]) -> str:
@@ -360,7 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"  round {rnd} {arm.label}: hit "
                               f"{_num((run.hit_rate or 0) * 100, 1)}%, "
                               f"{len(run.ttft_ms)} ok, {run.failed} failed, moved "
-                              f"{NA if run.moved is None else run.moved}{_error(run)}",
+                              f"{NA if run.moved is None else run.moved}, TTFT mean "
+                              f"{_num(statistics.fmean(run.ttft_ms) if run.ttft_ms else None)}"
+                              f" ms (engine {_engine_ms([run], 'ttft')}: queue "
+                              f"{_engine_ms([run], 'queue')}){_error(run)}",
                               flush=True)
                 stop_all(bench.services)
         finally:
