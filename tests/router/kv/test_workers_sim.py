@@ -57,19 +57,7 @@ async def counted(url: str, before: dict[str, float], n: int) -> dict[str, float
 async def test_each_turn_goes_where_the_conversation_is_cached_whichever_worker_takes_it():
     async with Fleet(n=2, config=EVENTS) as fleet, router_with_workers(
             *fleet.urls, flags=("--policy", "kv-aware", "--tokenizer", "sim")) as (url, _):
-
-        async def every_worker_routes_on_events() -> bool:
-            """A round of first turns: all placed on events, by both workers (each has
-            loaded its tokenizer and follows both replicas)."""
-            before = await decisions(url)
-            round_ = [await chat(url, [{"role": "user", "content": f"probe {i}"}])
-                      for i in range(8)]
-            delta = await wait_for(lambda: counted(url, before, len(round_)),
-                                   "the round's decisions counted")
-            return delta["events"] == len(round_) and delta["0"] > 0 and delta["1"] > 0
-
-        await wait_for(every_worker_routes_on_events, "both workers routing on events",
-                       within_s=60, every_s=0.5)
+        await both_workers_on_events(url)
         before = await decisions(url)
         turns = 0
         for conversation in range(3):
@@ -134,7 +122,7 @@ async def test_a_prompt_one_worker_placed_draws_the_other_workers_requests_with_
     the idle replica (each worker forecasts what every worker placed)."""
     async with Fleet(n=2, config=SLOW_PREFILL) as fleet, router_with_workers(
             *fleet.urls, flags=("--policy", "kv-aware", "--tokenizer", "sim")) as (url, _):
-        await _both_workers_on_events(url)
+        await both_workers_on_events(url)
         for attempt in range(ATTEMPTS):
             before = await decisions(url)
             home, others = await tenant_follows_its_first_request(
@@ -146,8 +134,10 @@ async def test_a_prompt_one_worker_placed_draws_the_other_workers_requests_with_
         raise AssertionError(f"the kernel gave one worker every connection {ATTEMPTS} times")
 
 
-async def _both_workers_on_events(url: str) -> None:
+async def both_workers_on_events(url: str) -> None:
     async def every_worker_routes_on_events() -> bool:
+        """A round of first turns: all placed on events, by both workers (each has
+        loaded its tokenizer and follows both replicas)."""
         before = await decisions(url)
         round_ = [await chat(url, [{"role": "user", "content": f"probe {i}"}])
                   for i in range(8)]

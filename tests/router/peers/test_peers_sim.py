@@ -104,7 +104,7 @@ async def test_routers_with_several_workers_each_share_what_they_place_through_t
                 *flags, "--peer-bind", f"127.0.0.1:{pb}", "--peer",
                 f"127.0.0.1:{pa}")) as (b_url, _):
         for url in (a_url, b_url):
-            await workers_sim._both_workers_on_events(url)
+            await workers_sim.both_workers_on_events(url)
             await wait_for(lambda u=url: workers_sim.scraped(u, "dpserve_peers_live"),
                            "hearing the other router")
         for attempt in range(workers_sim.ATTEMPTS):

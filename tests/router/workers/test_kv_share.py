@@ -22,7 +22,7 @@ from dpserve.router.workers.kv_share import (
     follower_config,
 )
 from dpserve.router.workers.wire import Message, apply_row, new_replica, replica_row
-from tests.router.peers.test_state import A, B, TENANT, Clock, known, pool, report
+from tests.router.peers.test_state import TENANT, A, B, Clock, known, pool, report
 
 
 def kv_router(replicas: Any, clock: Clock, *, peered: bool = False) -> Any:
