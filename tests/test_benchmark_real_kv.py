@@ -40,6 +40,6 @@ def test_the_report_pairs_arms_round_by_round(capsys):
                           real_kv.parse_arm("dpserve:prefix-affinity")])
     out = capsys.readouterr().out
     # the engines' own means over both rounds' requests: (0.2 + 0.4) s / 4, 0.2 s / 4
-    assert "| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 | 100 | 200 | 150 | 50 | n/a | 2 |" \
-        in out
+    assert ("| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 | 100 | 200 | n/a | 150 | 50 | "
+            "n/a | 2 |") in out
     assert "hit rate 1.125 [1.000, 1.250]" in out

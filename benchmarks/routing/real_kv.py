@@ -18,7 +18,8 @@ the replicas, the chats of ``real_chat.py`` (the same conversations for every ar
 round, new ones each round), the engines' own counts before and after (prefix-cache hits and
 queries; per request, their TTFT from its arrival at the engine, split into the time in
 the engine's queue and prefilling; preemptions), the routers' CPU. A client's TTFT
-above the engine's is the router, the network and the client waiting for a core.
+above the engine's is the router, the network and the client waiting for a core; a
+dpserve router's own time to the first byte from a replica (`/metrics`) splits it.
 dpserve's kv-aware reads prompts with ``--tokenizer`` on the model's own tokenizer and
 chat template; vllm-router's kv_aware with the engines' block size (128 on CPU) and the served name.
 
@@ -200,15 +201,21 @@ class Bench:
                 started.append(service)
                 routers.append(url)
             meter = CpuMeter([s.pid for s in started])
+            firsts = [f"{u}/metrics" for u in routers] if arm.kind == "dpserve" else []
             before, cpu0 = engine_counts(urls), meter.seconds()
+            first0 = router_first_byte(firsts)
             turns = real_chat.play(routers, convs, model=TINY_MODEL_NAME,
                                    max_tokens=self.args.max_tokens,
                                    timeout_s=self.args.request_timeout)
             cpu1, after = meter.seconds(), engine_counts(urls)
+            first1 = router_first_byte(firsts)
         finally:
             for s in started:
                 s.stop()
         out.engine = {name: after[name] - before[name] for name in after}
+        if firsts:
+            out.engine["router_s"], out.engine["router_n"] = (first1[0] - first0[0],
+                                                              first1[1] - first0[1])
         out.hits, out.queries = out.engine["hits"], out.engine["queries"]
         out.cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         out.requests = len(turns)
@@ -276,6 +283,22 @@ def engine_counts(urls: Sequence[str]) -> dict[str, float]:
     return totals
 
 
+def router_first_byte(metrics_urls: Sequence[str]) -> tuple[float, float]:
+    """dpserve routers' time to the first byte from a replica, summed: (seconds, requests)."""
+    total = n = 0.0
+    for url in metrics_urls:
+        status, body = http_call(url, timeout=5.0)
+        if status != 200:
+            raise RuntimeError(f"{url}: HTTP {status}")
+        for line in body.decode(errors="replace").splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name == "dpserve_time_to_first_byte_seconds_sum":
+                total += float(line.rsplit(" ", 1)[1])
+            elif name == "dpserve_time_to_first_byte_seconds_count":
+                n += float(line.rsplit(" ", 1)[1])
+    return total, n
+
+
 def percentile(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
@@ -287,9 +310,9 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
     for pressure in sorted({r.pressure for r in runs}):
         print(f"\n## working set / fleet cache {pressure:g}: medians over rounds "
               "[min, max]; TTFT ms of every round's turns pooled")
-        print("| arm | hit rate | TTFT mean | p50 | p99 | engine TTFT | queue | prefill | "
-              "preempted | moved turns | failed | router CPU ms/req |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| arm | hit rate | TTFT mean | p50 | p99 | router first byte | engine TTFT | "
+              "queue | prefill | preempted | moved turns | failed | router CPU ms/req |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for arm in arms:
             mine = [r for r in runs if r.pressure == pressure and r.arm == arm.name]
             if not mine:
@@ -300,6 +323,7 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
             print(f"| {arm.label} | {_spread(rates, pct=True)} | "
                   f"{_num(statistics.fmean(ttft) if ttft else None)} | "
                   f"{_num(percentile(ttft, 50))} | {_num(percentile(ttft, 99))} | "
+                  f"{_engine_ms(mine, 'router')} | "
                   f"{_engine_ms(mine, 'ttft')} | {_engine_ms(mine, 'queue')} | "
                   f"{_engine_ms(mine, 'prefill')} | "
                   f"{_num(sum(r.engine.get('preemptions', 0.0) for r in mine))} | "
@@ -393,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{len(run.ttft_ms)} ok, {run.failed} failed, moved "
                               f"{NA if run.moved is None else run.moved}, TTFT mean "
                               f"{_num(statistics.fmean(run.ttft_ms) if run.ttft_ms else None)}"
-                              f" ms (engine {_engine_ms([run], 'ttft')}: queue "
+                              f" ms (router's first byte {_engine_ms([run], 'router')}, "
+                              f"engine {_engine_ms([run], 'ttft')}: queue "
                               f"{_engine_ms([run], 'queue')}){_error(run)}",
                               flush=True)
                 stop_all(bench.services)
