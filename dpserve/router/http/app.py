@@ -34,6 +34,7 @@ from dpserve.router.fleet.health import EngineScraper, HealthChecker
 from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.forward.budget import BodyBudget
 from dpserve.router.forward.proxy import ProxyEndpoint
+from dpserve.router.heap import freeze_long_lived
 from dpserve.router.http.admin import admin_routes
 from dpserve.router.http.auth import Authenticate, auth_options, authenticate
 from dpserve.router.kv.routing import KVRouting, PromptTokens
@@ -171,6 +172,7 @@ class Router:
             await self.scraper.scrape_all()
             self._tasks.append(asyncio.create_task(self.scraper.run(),
                                                    name="dpserve-engine-scrape"))
+        freeze_long_lived()  # what start-up built lives as long as the router: see heap
 
     async def aclose(self) -> None:
         for task in self._tasks:

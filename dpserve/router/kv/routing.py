@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from dpserve.config import RouterConfig
 from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.heap import freeze_long_lived
 from dpserve.router.kv.decisions import KVRoutingStats
 from dpserve.router.kv.feeds import KVEventFeeds
 from dpserve.router.kv.index import KVIndex
@@ -98,7 +99,9 @@ class KVRouting:
                 tokenizer.close()
                 return
             self._tokenizer = tokenizer
-            log.info("kv-aware: prompts tokenized with %s", source)
+            frozen = freeze_long_lived()  # transformers' and torch's objects: see heap
+            log.info("kv-aware: prompts tokenized with %s (%d objects exempt from the "
+                     "garbage collector)", source, frozen)
 
     async def tokenize(self, route: str, body: dict[str, Any]) -> Sequence[int] | None:
         tokenizer = self._tokenizer

@@ -22,6 +22,7 @@ import prometheus_client
 
 from dpserve.config import RouterConfig
 from dpserve.router.fleet.pool import ReplicaPool
+from dpserve.router.heap import freeze_long_lived
 from dpserve.router.http.app import Router
 from dpserve.router.http.server import bind_socket, uvicorn_server
 from dpserve.router.kv.routing import PromptTokens
@@ -137,6 +138,7 @@ async def serve_follower(fd: int, worker: int, *,
     work = (WorkTable(hello["work_fd"], workers=hello["workers"], me=worker)
             if hello["work_fd"] is not None else None)
     follower = Follower(router, channel, work)
+    freeze_long_lived()  # as the leader's Router.start does: see dpserve.router.heap
     sock = bind_socket(config.host, hello["port"], reuse_port=True)
     server = uvicorn_server(router, config, app=follower_app(router, follower),
                             announce=False)

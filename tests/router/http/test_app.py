@@ -4,6 +4,7 @@ the OpenAI envelope however the path is spelled, and never reaches a replica."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import httpx
@@ -105,3 +106,35 @@ async def test_a_kv_aware_router_is_ready_once_its_tokenizer_is_loaded(fake_repl
     assert loading.status_code == 503
     assert "tokenizer is loading" in loading.json()["error"]["message"]
     assert ready.status_code == 200
+
+
+async def test_what_start_up_and_the_tokenizer_built_is_kept_out_of_garbage_collections(
+        fake_replicas):
+    """A full collection stops the event loop for as long as it takes to visit every
+    tracked object: with transformers and torch imported for the tokenizer, ~280 ms
+    (dpserve.router.heap). What the router built to start, and what loading the
+    tokenizer left, must not be visited again."""
+    replica = await fake_replicas("r0")
+    release = threading.Event()
+    imported: list[list[int]] = []  # what an import leaves behind, for the process's life
+
+    def slow_open(source: str) -> PromptTokenizer:
+        release.wait(30)
+        imported.extend([i] for i in range(10_000))
+        return open_named("sim")
+
+    config = RouterConfig(policy="kv-aware", tokenizer="sim", health_interval_s=0.2)
+    router = Router(ReplicaPool([Replica(id="r0", url=replica.url)]), config,
+                    open_tokenizer=slow_open)
+    gc.unfreeze()
+    try:
+        async with serving(router) as _:
+            started = gc.get_freeze_count()
+            release.set()
+            await wait_for(lambda: router.kv is not None
+                           and router.kv.tokenizer_settled.is_set(), "the tokenizer loaded")
+            loaded = gc.get_freeze_count()
+        assert started > 0
+        assert loaded >= started + len(imported)
+    finally:
+        gc.unfreeze()
