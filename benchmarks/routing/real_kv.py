@@ -203,19 +203,18 @@ class Bench:
             meter = CpuMeter([s.pid for s in started])
             firsts = [f"{u}/metrics" for u in routers] if arm.kind == "dpserve" else []
             before, cpu0 = engine_counts(urls), meter.seconds()
-            first0 = router_first_byte(firsts)
+            first0 = scraped_totals(firsts, ROUTER_SERIES)
             turns = real_chat.play(routers, convs, model=TINY_MODEL_NAME,
                                    max_tokens=self.args.max_tokens,
                                    timeout_s=self.args.request_timeout)
             cpu1, after = meter.seconds(), engine_counts(urls)
-            first1 = router_first_byte(firsts)
+            first1 = scraped_totals(firsts, ROUTER_SERIES)
         finally:
             for s in started:
                 s.stop()
         out.engine = {name: after[name] - before[name] for name in after}
         if firsts:
-            out.engine["router_s"], out.engine["router_n"] = (first1[0] - first0[0],
-                                                              first1[1] - first0[1])
+            out.engine |= {name: first1[name] - first0[name] for name in first1}
         out.hits, out.queries = out.engine["hits"], out.engine["queries"]
         out.cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         out.requests = len(turns)
@@ -268,35 +267,31 @@ request their own TTFT (from arrival at the engine), the time waiting in its que
 and the time prefilling, and the preemptions (a request pushed out for KV space)."""
 
 
+ROUTER_SERIES = {
+    "dpserve_time_to_first_byte_seconds_sum": "router_s",
+    "dpserve_time_to_first_byte_seconds_count": "router_n",
+}
+"""A dpserve router's time from taking a request to the first byte from a replica."""
+
+
 def engine_counts(urls: Sequence[str]) -> dict[str, float]:
-    """The fleet's totals of `ENGINE_SERIES` (by their short names), from every engine's
-    /metrics."""
-    totals = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
-    for url in urls:
-        status, body = http_call(f"{url}/metrics", timeout=5.0)
-        if status != 200:
-            raise RuntimeError(f"{url}/metrics: HTTP {status}")
-        for line in body.decode(errors="replace").splitlines():
-            name = ENGINE_SERIES.get(line.split("{", 1)[0].split(" ", 1)[0])
-            if name is not None:
-                totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    """The fleet's totals of `ENGINE_SERIES` (by their short names)."""
+    return scraped_totals([f"{url}/metrics" for url in urls], ENGINE_SERIES)
 
 
-def router_first_byte(metrics_urls: Sequence[str]) -> tuple[float, float]:
-    """dpserve routers' time to the first byte from a replica, summed: (seconds, requests)."""
-    total = n = 0.0
+def scraped_totals(metrics_urls: Sequence[str], series: dict[str, str]) -> dict[str, float]:
+    """The samples of `series` (exposition name -> short name) summed over every label
+    set and every `/metrics` in `metrics_urls`."""
+    totals = dict.fromkeys(series.values(), 0.0)
     for url in metrics_urls:
         status, body = http_call(url, timeout=5.0)
         if status != 200:
             raise RuntimeError(f"{url}: HTTP {status}")
         for line in body.decode(errors="replace").splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name == "dpserve_time_to_first_byte_seconds_sum":
-                total += float(line.rsplit(" ", 1)[1])
-            elif name == "dpserve_time_to_first_byte_seconds_count":
-                n += float(line.rsplit(" ", 1)[1])
-    return total, n
+            name = series.get(line.split("{", 1)[0].split(" ", 1)[0])
+            if name is not None:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def percentile(xs: Sequence[float], q: float) -> float | None:
