@@ -43,6 +43,7 @@ from dpserve.router.peers.metrics import PeerCollector
 from dpserve.router.routing.dispatch import Dispatcher
 from dpserve.router.routing.policies import kv_aware_of, make_policy
 from dpserve.router.telemetry.federate import EngineMetrics, engine_metrics_endpoint
+from dpserve.router.telemetry.loop_lag import watch_loop
 from dpserve.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from dpserve.router.telemetry.tracing import Tracing
 from dpserve.router.upstream.client import UpstreamClient, UpstreamPool
@@ -149,9 +150,15 @@ class Router:
             self.metrics.set_breaker_state(replica.id, state.value)
         self.metrics.queue_depth.set(self.dispatcher.queue.waiting)
 
+    def watch_loop(self) -> None:
+        """Sample this process's event-loop lag into `/metrics` until `aclose`."""
+        self._tasks.append(asyncio.create_task(watch_loop(self.metrics.loop_lag.observe),
+                                               name="dpserve-loop-lag"))
+
     async def start(self) -> None:
         """Find the replicas, check them once (those already up, once admitted, serve
         the first request), then keep doing both in the background."""
+        self.watch_loop()
         if self.discovery is not None:
             await self.discovery.refresh()
             self._tasks.append(asyncio.create_task(self.discovery.run(),

@@ -34,6 +34,7 @@ SUMMED_FAMILIES: frozenset[str] = frozenset({
     "dpserve_requests",
     "dpserve_request_duration_seconds",
     "dpserve_time_to_first_byte_seconds",
+    "dpserve_event_loop_lag_seconds",
     "dpserve_request_retries",
     "dpserve_stream_errors",
     "dpserve_migrations",

@@ -29,6 +29,7 @@ from dpserve.router.telemetry.collectors import (
     PoolCollector,
     WeightVersionCollector,
 )
+from dpserve.router.telemetry.loop_lag import LAG_BUCKETS
 from dpserve.router.telemetry.merge import SUMMED_FAMILIES, merge_exposition
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -108,6 +109,14 @@ class RouterMetrics:
             "token).",
             ["route"],
             buckets=FIRST_BYTE_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_lag = Histogram(
+            "dpserve_event_loop_lag_seconds",
+            "How late the router's event loop woke for a timer, sampled 20 times a "
+            "second: how long any ready step of a request (a chunk to relay) waited "
+            "for the loop, held by other work or by the process waiting for a core.",
+            buckets=LAG_BUCKETS,
             registry=self.registry,
         )
         self.retries = Counter(

@@ -138,6 +138,7 @@ async def serve_follower(fd: int, worker: int, *,
     work = (WorkTable(hello["work_fd"], workers=hello["workers"], me=worker)
             if hello["work_fd"] is not None else None)
     follower = Follower(router, channel, work)
+    router.watch_loop()
     freeze_long_lived()  # as the leader's Router.start does: see dpserve.router.heap
     sock = bind_socket(config.host, hello["port"], reuse_port=True)
     server = uvicorn_server(router, config, app=follower_app(router, follower),

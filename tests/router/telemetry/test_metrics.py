@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.router.fleet.pool import Replica, ReplicaPool
 from dpserve.router.telemetry.metrics import BREAKER_STATES, RouterMetrics
+from tests.conftest import running_router
+from tests.waiting import wait_for
 
 # Every label a router metric may carry: each has a small, known set of values.
 # `adapter` takes only names an operator deployed (requests naming others are not counted);
@@ -63,3 +68,33 @@ def test_time_to_first_byte_buckets_resolve_sub_second_slos():
               if s.name.endswith("_bucket")}
     for slo in ("0.1", "0.2", "0.5", "1.0", "2.0"):
         assert slo in bounds
+
+
+def _lag(text: str) -> tuple[float, float]:
+    """(samples, samples above 0.25 s) of dpserve_event_loop_lag_seconds."""
+    samples = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(text)
+               if f.name == "dpserve_event_loop_lag_seconds" for s in f.samples}
+    count = samples[("dpserve_event_loop_lag_seconds_count", None)]
+    return count, count - samples[("dpserve_event_loop_lag_seconds_bucket", "0.25")]
+
+
+async def test_a_held_event_loop_shows_in_the_lag_histogram(fake_replicas):
+    replica = await fake_replicas("r0")
+    async with running_router([replica.url]) as (url, _), httpx.AsyncClient() as client:
+        await wait_for(lambda: _scraped(client, url), "the lag watch's first samples")
+        _, late_before = _lag((await client.get(f"{url}/metrics")).text)
+        time.sleep(0.4)  # noqa: ASYNC251 - on purpose: it holds the router's loop (this test's)
+        await wait_for(lambda: _late(client, url, late_before),
+                       "the 400 ms hold counted above 0.25 s")
+        count, late = _lag((await client.get(f"{url}/metrics")).text)
+    assert late >= late_before + 1
+    assert count > late  # the wake-ups before and after it were on time
+
+
+async def _scraped(client: httpx.AsyncClient, url: str) -> bool:
+    return _lag((await client.get(f"{url}/metrics")).text)[0] >= 3
+
+
+async def _late(client: httpx.AsyncClient, url: str, before: float) -> bool:
+    return _lag((await client.get(f"{url}/metrics")).text)[1] > before
