@@ -62,15 +62,41 @@ def chain_key(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+class PromptChain:
+    """One prompt's chain keys per block size, each hashed once per request: matching
+    hashes them only as deep as some replica holds the prompt, and the forecast of
+    where it was sent then takes every full block's, reusing those."""
+
+    __slots__ = ("_keys", "root", "tokens")
+
+    def __init__(self, token_ids: Sequence[int], lora: str | None) -> None:
+        self.tokens = tuple(token_ids)
+        self.root = root_key(lora)
+        self._keys: dict[int, list[int]] = {}
+
+    def hashed(self, block_size: int) -> list[int]:
+        """The keys hashed so far, in order: the list itself, which a walk that goes
+        deeper extends (`_extend`)."""
+        return self._keys.setdefault(block_size, [])
+
+    def keys(self, block_size: int) -> list[int]:
+        """The chain keys of every full block, in order (a copy)."""
+        keys = self.hashed(block_size)
+        _extend(keys, self.tokens, self.root, block_size, len(self.tokens) // block_size)
+        return list(keys)
+
+
+def _extend(keys: list[int], tokens: tuple[int, ...], root: int, block_size: int,
+            blocks: int) -> None:
+    """Hash `keys` on until it holds the first `blocks` blocks' keys."""
+    for n in range(len(keys), blocks):
+        keys.append(chain_key(keys[-1] if keys else root,
+                              tokens[n * block_size:(n + 1) * block_size]))
+
+
 def prompt_keys(token_ids: Sequence[int], lora: str | None, block_size: int) -> list[int]:
     """The chain keys of every full block of a prompt, in order."""
-    tokens = tuple(token_ids)
-    keys: list[int] = []
-    key = root_key(lora)
-    for end in range(block_size, len(tokens) + 1, block_size):
-        key = chain_key(key, tokens[end - block_size:end])
-        keys.append(key)
-    return keys
+    return PromptChain(token_ids, lora).keys(block_size)
 
 
 KEY_FINGERPRINT = chain_key(root_key("dpserve"), tuple(range(16)))
@@ -245,18 +271,18 @@ class KVIndex:
               block_size: int) -> dict[Hashable, int]:
         """For every known replica, how many of the prompt's leading full blocks it
         holds under adapter `lora` (None: the base model); 0 for a stale replica."""
-        return self._match(token_ids, lora, block_size, list(self._replicas))[0]
+        return self._match(PromptChain(token_ids, lora), block_size, list(self._replicas))[0]
 
-    def _match(self, token_ids: Sequence[int], lora: str | None, block_size: int,
-               rids: list[Hashable], forecast: Forecast | None = None, now: float = 0.0
+    def _match(self, chain: PromptChain, block_size: int, rids: list[Hashable],
+               forecast: Forecast | None = None, now: float = 0.0
                ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
         """Leading full blocks held per replica: by its events, and by its events or
         `forecast` (keys not expired at `now`) together."""
         scores: dict[Hashable, int] = dict.fromkeys(rids, 0)
         expected = dict(scores)
-        tokens = tuple(token_ids)
+        tokens = chain.tokens
         full = len(tokens) // block_size
-        keys: list[int] = []  # the prompt's chain keys, hashed only as deep as a replica goes
+        keys = chain.hashed(block_size)  # hashed only as deep as a replica goes
         for rid in rids:
             replica = self._replicas[rid]
             sent = forecast.holds(rid) if forecast is not None else None
@@ -267,9 +293,9 @@ class KVIndex:
             found = True
             while held < full:
                 if held == len(keys):
-                    parent = keys[-1] if keys else root_key(lora)
                     end = (held + 1) * block_size
-                    keys.append(chain_key(parent, tokens[end - block_size:end]))
+                    keys.append(chain_key(keys[-1] if keys else chain.root,
+                                          tokens[end - block_size:end]))
                 key = keys[held]
                 if key not in chains:
                     if not sent or sent.get(key, now) <= now:
@@ -297,12 +323,15 @@ class KVIndex:
         held = self.cached_tokens(token_ids, lora).get(replica_id)
         return None if held is None else len(token_ids) - min(held, len(token_ids))
 
-    def expected_tokens(self, token_ids: Sequence[int], lora: str | None,
+    def expected_tokens(self, token_ids: Sequence[int] | PromptChain, lora: str | None,
                         forecast: Forecast | None = None, now: float = 0.0
                         ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
         """`cached_tokens`, and beside it the same counting also the blocks `forecast`
         says were sent there (unexpired at `now`) and not reported yet: a prefix counts
-        as long as each of its blocks is held or forecast."""
+        as long as each of its blocks is held or forecast. A `PromptChain` given for
+        the prompt keeps the keys hashed (`lora` is then its own)."""
+        chain = (token_ids if isinstance(token_ids, PromptChain)
+                 else PromptChain(token_ids, lora))
         by_size: dict[int, list[Hashable]] = {}
         found: dict[Hashable, int] = {}
         for rid, replica in self._replicas.items():
@@ -313,7 +342,7 @@ class KVIndex:
                 by_size.setdefault(replica.block_size, []).append(rid)
         expected = dict(found)
         for size, rids in by_size.items():
-            blocks, with_sent = self._match(token_ids, lora, size, rids, forecast, now)
+            blocks, with_sent = self._match(chain, size, rids, forecast, now)
             for rid in rids:
                 found[rid] = blocks[rid] * size
                 expected[rid] = with_sent[rid] * size

@@ -57,7 +57,7 @@ from dpserve.router.kv.decisions import (
     KVRoutingStats,
 )
 from dpserve.router.kv.forecast import Forecast
-from dpserve.router.kv.index import KVIndex, prompt_keys
+from dpserve.router.kv.index import KVIndex, PromptChain
 from dpserve.router.routing.policies.base import RequestInfo
 from dpserve.router.routing.policies.engine_load import engine_queue
 from dpserve.router.routing.policies.prefix_affinity import PrefixAffinity
@@ -125,7 +125,8 @@ class KVAware:
         if not tokens:
             return self._fall_back(candidates, request, "no_tokens")
         now = self._clock()
-        held, expected = self.index.expected_tokens(tokens, request.adapter, self.forecast,
+        chain = PromptChain(tokens, request.adapter)
+        held, expected = self.index.expected_tokens(chain, request.adapter, self.forecast,
                                                     now)
         if not any(r.id in held for r in candidates):
             return self._fall_back(candidates, request, "no_events")
@@ -145,7 +146,7 @@ class KVAware:
                 and miss[r.id] <= miss[best.id] + 1e-9]
         chosen = self.fallback.send(self.break_tie(tied) if len(tied) > 1 else tied[0])
         cached = min(held.get(chosen.id, 0), prompt)
-        self._forecast(chosen, tokens, request.adapter, cached, now)
+        self._forecast(chosen, chain, cached, now)
         stats = self.stats
         stats.on_events += 1
         stats.prompt_tokens += prompt
@@ -161,8 +162,8 @@ class KVAware:
         choose otherwise: what-ifs in benchmarks/routing/kv_ties.py."""
         return self.fallback.least(tied)
 
-    def _forecast(self, chosen: Replica, tokens: Sequence[int], adapter: str | None,
-                  cached: int, now: float) -> None:
+    def _forecast(self, chosen: Replica, chain: PromptChain, cached: int,
+                  now: float) -> None:
         """Count the prompt's blocks that `chosen` does not hold yet (`cached` tokens it
         does) as held there until its engine reports them (or the forecast's time runs
         out), and keep them for peers. Blocks it holds already are left to the events:
@@ -174,7 +175,7 @@ class KVAware:
         if size is None:
             return
         forecast.prune(now)
-        keys = prompt_keys(tokens, adapter, size)[cached // size:]
+        keys = chain.keys(size)[cached // size:]  # matching hashed most of them
         if not keys:
             return
         forecast.add(chosen.id, keys, now)

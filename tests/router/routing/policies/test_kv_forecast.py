@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dpserve.router.fleet.engine_metrics import EngineLoad
 from dpserve.router.fleet.pool import Replica, ReplicaPool
+from dpserve.router.kv import index as index_module
 from dpserve.router.kv.events import Cleared, Removed, Stored
 from dpserve.router.kv.forecast import Forecast
 from dpserve.router.kv.index import KVIndex
@@ -143,3 +144,23 @@ def test_the_queue_counts_what_peer_routers_sent_since_the_scrape():
     replica.peer_in_flight = 5  # a peer sent three more since
     replica.in_flight = 2  # and this router one
     assert engine_queue(replica, 100.5, 10.0) == 3 + 3 + 1
+
+
+def test_each_block_of_a_prompt_is_hashed_once_per_request(monkeypatch):
+    """Matching hashes as deep as a replica holds the prompt; the forecast of where it
+    went reuses those keys and hashes only the rest (not the whole prompt again)."""
+    index, fleet = fleet_with_events(4)
+    clock = Clock()
+    p = kv_aware(index, clock)
+    store(index, fleet[0].id, 1, TENANT)  # fleet[0] holds the 8 blocks of the tenant's
+    hashed: list[tuple[int, ...]] = []
+    real = index_module.chain_key
+
+    def counting(parent: int, tokens: tuple[int, ...]) -> int:
+        hashed.append(tokens)
+        return real(parent, tokens)
+
+    monkeypatch.setattr(index_module, "chain_key", counting)
+    assert p.select(fleet, asks(1)) is fleet[0]
+    assert len(hashed) == len(asks(1).tokens) // BS  # 10 full blocks, each once
+    assert p.forecast is not None and len(p.forecast.holds(fleet[0].id)) == 2
