@@ -19,7 +19,8 @@ def test_conversations_share_no_first_block_and_start_in_the_window():
 
 
 @pytest.mark.parametrize("argv", [["--pressure", "0"], ["--rounds", "0"],
-                                  ["--arms", "dpserve"], ["--model", "/nonexistent"]])
+                                  ["--arms", "dpserve"], ["--model", "/nonexistent"],
+                                  ["--engine-cpus", "0-x"], ["--router-cpus", "4096"]])
 def test_bad_flags_are_refused_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         real_kv.parse_args(argv)
@@ -40,6 +41,23 @@ def test_the_report_pairs_arms_round_by_round(capsys):
                           real_kv.parse_arm("dpserve:prefix-affinity")])
     out = capsys.readouterr().out
     # the engines' own means over both rounds' requests: (0.2 + 0.4) s / 4, 0.2 s / 4
-    assert ("| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 | 100 | 200 | n/a | 150 | 50 | "
-            "n/a | 2 |") in out
+    # client head and router first byte: not given, so n/a; the loop lag likewise
+    assert ("| dpserve kv-aware | 55.0% [50.0%, 60.0%] | 150 | 100 | 200 | n/a | n/a | 150 | "
+            "50 | n/a | 2 |") in out
+    assert out.count("| n/a | n/a |\n") == 2  # neither arm's loop lag is known
     assert "hit rate 1.125 [1.000, 1.250]" in out
+
+
+def test_cpu_lists_read_as_taskset_reads_them():
+    assert real_kv.parse_cpus("0") == {0}
+    assert real_kv.parse_cpus("0,2-4") == {0, 2, 3, 4}
+    with pytest.raises(ValueError):
+        real_kv.parse_cpus("a")
+
+
+def test_a_router_series_may_be_one_label_set(monkeypatch):
+    body = (b'# TYPE x histogram\nx_bucket{le="0.01"} 7.0\nx_bucket{le="+Inf"} 9.0\n'
+            b"x_count 9.0\n")
+    monkeypatch.setattr(real_kv, "http_call", lambda url, timeout: (200, body))
+    got = real_kv.scraped_totals(["a", "b"], {'x_bucket{le="0.01"}': "fast", "x_count": "n"})
+    assert got == {"fast": 14.0, "n": 18.0}

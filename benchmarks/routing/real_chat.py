@@ -40,6 +40,8 @@ class Turn:
     turn: int
     router: int
     sent_s: float
+    head_s: float | None = None
+    """When the answer's head came (a dpserve router sends it with the first chunk)."""
     ttft_s: float | None = None
     latency_s: float | None = None
     replica: str | None = None
@@ -107,6 +109,7 @@ class Chats:
         try:
             async with session.post(self.base_urls[router] + "/v1/chat/completions",
                                     json=body) as r:
+                turn.head_s = time.monotonic() - started
                 turn.replica = r.headers.get("x-dpserve-replica")
                 if r.status != 200:
                     turn.error = f"HTTP {r.status}: {(await r.text())[:200]}"

@@ -23,9 +23,11 @@ dpserve router's own time to the first byte from a replica (`/metrics`) splits i
 dpserve's kv-aware reads prompts with ``--tokenizer`` on the model's own tokenizer and
 chat template; vllm-router's kv_aware with the engines' block size (128 on CPU) and the served name.
 
-The machine is shared: 2 engines on 2 cores with the routers and the client beside them,
-so TTFT includes waiting for a core; hit rates are the engines' own. Exit status 0 when
-every run completed, 1 when one could not be made.
+By default the machine is shared: 2 engines on 2 cores with the routers and the client
+beside them, so TTFT includes the routers waiting for a core (each router's event-loop lag
+is reported). ``--engine-cpus 0 --router-cpus 1`` gives the routers and the client a core
+of their own, as a deployment would: the engines share the other. Hit rates are the
+engines' own. Exit status 0 when every run completed, 1 when one could not be made.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--request-timeout", type=float, default=60.0)
     add("--vllm-router-spec", default=VLLM_ROUTER_SPEC)
+    add("--engine-cpus", metavar="LIST", help="run every engine (API server and engine "
+        "core) on these CPUs, e.g. 0 (default: engine i on CPU i, unpinned servers)")
+    add("--router-cpus", metavar="LIST", help="run the routers and the client on these "
+        "CPUs, e.g. 1: a router on cores of its own, as in a deployment")
     add("--json", type=Path, metavar="OUT")
     add("--logs", type=Path, metavar="DIR", help="keep every process's log here")
     args = p.parse_args(argv)
@@ -103,6 +109,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--pressure: one or more positive numbers")
     if min(args.replicas, args.conversations, args.turns, args.rounds) < 1:
         p.error("--replicas, --conversations, --turns and --rounds must be >= 1")
+    for flag, spec in (("--engine-cpus", args.engine_cpus), ("--router-cpus", args.router_cpus)):
+        try:
+            if spec and not parse_cpus(spec) <= os.sched_getaffinity(0):
+                p.error(f"{flag}: {spec} names CPUs this process may not use "
+                        f"({sorted(os.sched_getaffinity(0))})")
+        except ValueError:
+            p.error(f"{flag}: {spec!r} is not a CPU list such as 0 or 0,2-3")
     if not (args.model / "config.json").is_file():
         p.error(f"--model: {args.model} has no config.json (run `make model`)")
     return args
@@ -133,6 +146,11 @@ class Run:
     hits: float = 0.0
     queries: float = 0.0
     ttft_ms: list[float] = dataclasses.field(default_factory=list)
+    head_ms: list[float] = dataclasses.field(default_factory=list)
+    """Per answered turn, when the client had the answer's head (a dpserve router sends
+    it with the replica's first chunk)."""
+    by_replica: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """The client's TTFT of the turns each replica served."""
     failed: int = 0
     cpu_s: float | None = None
     requests: int = 0
@@ -168,8 +186,11 @@ class Bench:
                     "--served-model-name", TINY_MODEL_NAME, "--host", HOST, "--port",
                     str(port), "--kv-events-config", json.dumps(config), *TINY_VLLM_ARGS,
                     "--num-gpu-blocks-override", str(blocks)]
+            cpus = self.args.engine_cpus or str(i % (os.cpu_count() or 1))
+            if self.args.engine_cpus:
+                argv = ["taskset", "-c", cpus, *argv]
             env = {**os.environ, **OFFLINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)),
+                   "VLLM_CPU_OMP_THREADS_BIND": cpus,
                    "VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": ""}
             self.services.append(start_service(f"engine-r{i}-{blocks}", argv, self.work,
                                                env=env))
@@ -219,7 +240,12 @@ class Bench:
         out.cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         out.requests = len(turns)
         out.failed = sum(t.error is not None for t in turns)
-        out.ttft_ms = [t.ttft_s * 1000 for t in turns if t.error is None and t.ttft_s]
+        done = [t for t in turns if t.error is None and t.ttft_s]
+        out.ttft_ms = [t.ttft_s * 1000 for t in done if t.ttft_s]
+        out.head_ms = [t.head_s * 1000 for t in done if t.head_s is not None]
+        for t in done:
+            if t.replica and t.ttft_s:
+                out.by_replica.setdefault(t.replica, []).append(t.ttft_s * 1000)
         if any(t.replica for t in turns):
             last: dict[int, str | None] = {}
             out.moved = 0
@@ -237,7 +263,9 @@ class Bench:
                              tokenizer=str(self.args.model.resolve()), peer_ports=peer_ports,
                              me=me, vllm_router=self.vllm_router, block_size=BLOCK_SIZE,
                              model=TINY_MODEL_NAME)
-        service = start_service(tag, cmd.argv, self.work,
+        argv = cmd.argv if not self.args.router_cpus else [
+            "taskset", "-c", self.args.router_cpus, *cmd.argv]
+        service = start_service(tag, argv, self.work,
                                 env={**os.environ, **OFFLINE_ENV, **cmd.env}, cwd=REPO)
         try:
             quality.wait_ready(service, url, arm.kind, len(urls))
@@ -270,8 +298,24 @@ and the time prefilling, and the preemptions (a request pushed out for KV space)
 ROUTER_SERIES = {
     "dpserve_time_to_first_byte_seconds_sum": "router_s",
     "dpserve_time_to_first_byte_seconds_count": "router_n",
+    "dpserve_event_loop_lag_seconds_sum": "lag_s",
+    "dpserve_event_loop_lag_seconds_count": "lag_n",
+    'dpserve_event_loop_lag_seconds_bucket{le="0.01"}': "lag_fast",
+    'dpserve_kv_routing_decisions_total{basis="events"}': "on_events",
+    "dpserve_kv_event_batches_total": "event_batches",
 }
-"""A dpserve router's time from taking a request to the first byte from a replica."""
+"""A dpserve router's time from taking a request to the first byte from a replica, its
+event loop's lag (samples within 10 ms: `lag_fast`), and with kv-aware the requests
+placed on events and the event batches applied."""
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """`0,2-3` -> {0, 2, 3} (taskset's list syntax)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def engine_counts(urls: Sequence[str]) -> dict[str, float]:
@@ -280,15 +324,16 @@ def engine_counts(urls: Sequence[str]) -> dict[str, float]:
 
 
 def scraped_totals(metrics_urls: Sequence[str], series: dict[str, str]) -> dict[str, float]:
-    """The samples of `series` (exposition name -> short name) summed over every label
-    set and every `/metrics` in `metrics_urls`."""
+    """The samples of `series` (exposition name, or name and labels as exposed -> short
+    name) summed over every label set and every `/metrics` in `metrics_urls`."""
     totals = dict.fromkeys(series.values(), 0.0)
     for url in metrics_urls:
         status, body = http_call(url, timeout=5.0)
         if status != 200:
             raise RuntimeError(f"{url}: HTTP {status}")
         for line in body.decode(errors="replace").splitlines():
-            name = series.get(line.split("{", 1)[0].split(" ", 1)[0])
+            name = series.get(line.split("{", 1)[0].split(" ", 1)[0]) or series.get(
+                line.rsplit(" ", 1)[0])
             if name is not None:
                 totals[name] += float(line.rsplit(" ", 1)[1])
     return totals
@@ -305,9 +350,10 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
     for pressure in sorted({r.pressure for r in runs}):
         print(f"\n## working set / fleet cache {pressure:g}: medians over rounds "
               "[min, max]; TTFT ms of every round's turns pooled")
-        print("| arm | hit rate | TTFT mean | p50 | p99 | router first byte | engine TTFT | "
-              "queue | prefill | preempted | moved turns | failed | router CPU ms/req |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| arm | hit rate | TTFT mean | p50 | p99 | client head | router first byte | "
+              "engine TTFT | queue | prefill | preempted | moved turns | failed | "
+              "router CPU ms/req | loop lag mean | lag > 10 ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for arm in arms:
             mine = [r for r in runs if r.pressure == pressure and r.arm == arm.name]
             if not mine:
@@ -315,15 +361,18 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
             ttft = [x for r in mine for x in r.ttft_ms]
             rates = [r.hit_rate for r in mine if r.hit_rate is not None]
             cpu = [r.cpu_s * 1000 / r.requests for r in mine if r.cpu_s and r.requests]
+            head = [x for r in mine for x in r.head_ms]
             print(f"| {arm.label} | {_spread(rates, pct=True)} | "
                   f"{_num(statistics.fmean(ttft) if ttft else None)} | "
                   f"{_num(percentile(ttft, 50))} | {_num(percentile(ttft, 99))} | "
+                  f"{_num(statistics.fmean(head) if head else None)} | "
                   f"{_engine_ms(mine, 'router')} | "
                   f"{_engine_ms(mine, 'ttft')} | {_engine_ms(mine, 'queue')} | "
                   f"{_engine_ms(mine, 'prefill')} | "
                   f"{_num(sum(r.engine.get('preemptions', 0.0) for r in mine))} | "
                   f"{_moved(mine)} | {sum(r.failed for r in mine)} | "
-                  f"{_num(statistics.median(cpu) if cpu else None, 1)} |")
+                  f"{_num(statistics.median(cpu) if cpu else None, 1)} | "
+                  f"{_engine_ms(mine, 'lag', 1)} | {_slow_loop(mine)} |")
         for a, b in (("dpserve:kv-aware:2", "dpserve:kv-aware"),
                      ("dpserve:kv-aware:2:peers", "dpserve:kv-aware"),
                      ("dpserve:kv-aware", "dpserve:prefix-affinity"),
@@ -335,11 +384,31 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
                       f"{_spread([y for _, y in pairs])}")
 
 
-def _engine_ms(runs: Sequence[Run], what: str) -> str:
-    """The engines' mean over every round's requests (NA where they count none)."""
+def _engine_ms(runs: Sequence[Run], what: str, digits: int = 0) -> str:
+    """The engines' (or routers') mean over every round's samples (NA where they count
+    none)."""
     total = sum(r.engine.get(f"{what}_s", 0.0) for r in runs)
     n = sum(r.engine.get(f"{what}_n", 0.0) for r in runs)
-    return _num(total / n * 1000) if n else NA
+    return _num(total / n * 1000, digits) if n else NA
+
+
+def _slow_loop(runs: Sequence[Run]) -> str:
+    """The share of the routers' loop-lag samples above 10 ms."""
+    n = sum(r.engine.get("lag_n", 0.0) for r in runs)
+    fast = sum(r.engine.get("lag_fast", 0.0) for r in runs)
+    return f"{(n - fast) / n:.1%}" if n else NA
+
+
+def _kv(run: Run) -> str:
+    if not run.engine.get("event_batches"):
+        return ""
+    return (f"; placed on events {run.engine.get('on_events', 0):.0f}, "
+            f"{run.engine['event_batches']:.0f} event batches")
+
+
+def _per_replica(run: Run) -> str:
+    return ", ".join(f"{rid} {len(xs)} turns {statistics.fmean(xs):,.0f} ms"
+                     for rid, xs in sorted(run.by_replica.items()))
 
 
 def _moved(runs: Sequence[Run]) -> str:
@@ -393,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# pressure {pressure:g}: working set ~{ws} blocks of {BLOCK_SIZE}, "
                       f"{blocks} per replica x {args.replicas}", flush=True)
                 urls = bench.start_fleet(blocks)
+                if args.router_cpus:  # the client beside the routers, off the engines'
+                    os.sched_setaffinity(0, parse_cpus(args.router_cpus))
                 for rnd in range(args.rounds):
                     convs = real_chat.conversations(
                         args.conversations, args.turns,
@@ -414,7 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{_num(statistics.fmean(run.ttft_ms) if run.ttft_ms else None)}"
                               f" ms (router's first byte {_engine_ms([run], 'router')}, "
                               f"engine {_engine_ms([run], 'ttft')}: queue "
-                              f"{_engine_ms([run], 'queue')}){_error(run)}",
+                              f"{_engine_ms([run], 'queue')}; loop lag "
+                              f"{_engine_ms([run], 'lag', 1)} ms, {_slow_loop([run])} "
+                              f"> 10 ms; {_per_replica(run)}{_kv(run)}){_error(run)}",
                               flush=True)
                 stop_all(bench.services)
         finally:
