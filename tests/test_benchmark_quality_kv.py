@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.common.tools import vllm_router_kv_args
 from benchmarks.routing import chat_load, quality_kv, workloads
+from benchmarks.routing.kv_routers import router_command
 from benchmarks.routing.load import config_from_spec
 from benchmarks.routing.quality_kv_report import (
     Arm,
@@ -28,9 +29,26 @@ def test_an_arm_is_kind_policy_and_an_optional_number_of_routers():
     assert two == Arm("vllm-router", "cache_aware", 2)
     assert (two.name, two.label) == ("vllm-router:cache_aware:2", "vllm-router cache_aware x2")
     assert parse_arm(Arm("dpserve", "kv-aware").name) == Arm("dpserve", "kv-aware")
-    for bad in ("dpserve", "dpserve:", "dpserve:kv-aware:0", "a:b:c:d", "dpserve:kv:two"):
+    workers = parse_arm("dpserve:kv-aware:2:peers:w2")
+    assert workers == Arm("dpserve", "kv-aware", 2, peers=True, workers=2)
+    assert (workers.name, workers.label) == ("dpserve:kv-aware:2:peers:w2",
+                                             "dpserve kv-aware x2 peers w2")
+    assert parse_arm("dpserve:kv-aware:w3") == Arm("dpserve", "kv-aware", workers=3)
+    for bad in ("dpserve", "dpserve:", "dpserve:kv-aware:0", "a:b:c:d", "dpserve:kv:two",
+                "dpserve:kv-aware:w0", "dpserve:kv-aware:w2:2", "vllm-router:kv_aware:w2",
+                "dpserve:kv-aware:peers"):
         with pytest.raises(ValueError):
             parse_arm(bad)
+
+
+def test_an_arm_with_workers_starts_its_router_with_them():
+    def argv(arm: str) -> list[str]:
+        return router_command(parse_arm(arm), ["http://127.0.0.1:1"], 2, 3,
+                              tokenizer="build/tiny-llama").argv
+
+    two = argv("dpserve:kv-aware:w2")
+    assert two[two.index("--workers") + 1] == "2"
+    assert "--workers" not in argv("dpserve:kv-aware")
 
 
 def test_the_kv_series_of_both_routers_are_read_and_summed():

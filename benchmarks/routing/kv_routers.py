@@ -50,6 +50,8 @@ def router_command(arm: Arm, urls: Sequence[str], port: int, metrics_port: int, 
                 *(a for u in urls for a in ("--replica", u))]
         if arm.policy == "kv-aware":
             argv += ["--tokenizer", tokenizer]
+        if arm.workers > 1:
+            argv += ["--workers", str(arm.workers)]
         env = {}
         if peer_ports:
             argv += ["--peer-bind", f"{HOST}:{peer_ports[me]}",

@@ -42,36 +42,53 @@ class Arm:
     routers: int = 1
     peers: bool = False
     """dpserve routers told of each other (`--peer`, `dpserve.router.peers`)."""
+    workers: int = 1
+    """Data-plane processes per dpserve router (`--workers`)."""
 
     @property
     def name(self) -> str:
-        """As given on the command line: ``kind:policy``, ``kind:policy:N`` or
-        ``kind:policy:N:peers``."""
+        """As given on the command line: ``kind:policy``, then ``:N`` routers when more
+        than one, ``:peers``, ``:wN`` workers when more than one."""
         return (f"{self.kind}:{self.policy}" + (f":{self.routers}" if self.routers > 1 else "")
-                + (":peers" if self.peers else ""))
+                + (":peers" if self.peers else "")
+                + (f":w{self.workers}" if self.workers > 1 else ""))
 
     @property
     def label(self) -> str:
         return (f"{self.kind} {self.policy}" + (f" x{self.routers}" if self.routers > 1 else "")
-                + (" peers" if self.peers else ""))
+                + (" peers" if self.peers else "")
+                + (f" w{self.workers}" if self.workers > 1 else ""))
+
+
+ARM_FORM = "KIND:POLICY[:ROUTERS][:peers][:wWORKERS]"
 
 
 def parse_arm(text: str) -> Arm:
-    """``dpserve:kv-aware``, ``dpserve:kv-aware:2`` or ``dpserve:kv-aware:2:peers``
-    (ValueError otherwise)."""
+    """``dpserve:kv-aware``, ``dpserve:kv-aware:2``, ``dpserve:kv-aware:2:peers``,
+    ``dpserve:kv-aware:w2`` (one router, two data-plane workers) and so on, in that
+    order (ValueError otherwise)."""
     parts = text.strip().split(":")
-    peers = len(parts) == 4 and parts[3] == "peers"
-    if peers:
-        parts = parts[:3]
-    if len(parts) not in (2, 3) or not all(parts[:2]):
-        raise ValueError(f"{text!r}: expected KIND:POLICY, KIND:POLICY:ROUTERS or "
-                         "dpserve:POLICY:ROUTERS:peers")
-    routers = int(parts[2]) if len(parts) == 3 else 1
-    if routers < 1:
-        raise ValueError(f"{text!r}: ROUTERS must be at least 1")
-    if peers and (parts[0] != "dpserve" or routers < 2):
+    if len(parts) < 2 or not all(parts[:2]):
+        raise ValueError(f"{text!r}: expected {ARM_FORM}")
+    kind, policy, rest = parts[0], parts[1], parts[2:]
+    routers, peers, workers = 1, False, 1
+    if rest and rest[0].isdigit():
+        routers = int(rest.pop(0))
+        if routers < 1:
+            raise ValueError(f"{text!r}: ROUTERS must be at least 1")
+    if rest and rest[0] == "peers":
+        peers = bool(rest.pop(0))
+    if rest and re.fullmatch(r"w[0-9]+", rest[0]):
+        workers = int(rest.pop(0)[1:])
+        if workers < 1:
+            raise ValueError(f"{text!r}: WORKERS must be at least 1")
+    if rest:
+        raise ValueError(f"{text!r}: expected {ARM_FORM}")
+    if peers and (kind != "dpserve" or routers < 2):
         raise ValueError(f"{text!r}: peers are dpserve routers, two or more")
-    return Arm(parts[0], parts[1], routers, peers)
+    if workers > 1 and kind != "dpserve":
+        raise ValueError(f"{text!r}: workers are a dpserve router's (--workers)")
+    return Arm(kind, policy, routers, peers, workers)
 
 
 def kv_series(text: str) -> dict[str, float]:

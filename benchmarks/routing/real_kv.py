@@ -1,5 +1,6 @@
 """Routing on KV events on real vLLM CPU replicas: dpserve's prefix affinity and
-kv-aware (1 router, 2, 2 with peers) against vllm-router's cache_aware and kv_aware.
+kv-aware (1 router, 2, 2 with peers, 1 with data-plane workers: ``dpserve:kv-aware:w2``)
+against vllm-router's cache_aware and kv_aware.
 
     python -m benchmarks.routing.real_kv [--replicas 2] [--conversations 32] [--turns 4]
         [--pressure 0.75,1.5] [--rounds 3] [--arms ...] [--json OUT]
@@ -376,6 +377,7 @@ def report(runs: Sequence[Run], arms: Sequence[Arm]) -> None:
         for a, b in (("dpserve:kv-aware:2", "dpserve:kv-aware"),
                      ("dpserve:kv-aware:2:peers", "dpserve:kv-aware"),
                      ("dpserve:kv-aware", "dpserve:prefix-affinity"),
+                     ("dpserve:kv-aware:w2", "dpserve:kv-aware"),
                      ("dpserve:kv-aware:2:peers", "dpserve:prefix-affinity:2")):
             pairs = _pairs(runs, pressure, a, b)
             if pairs:
