@@ -2,7 +2,7 @@
 
     python -m dpserve.sim --replicas 8 [--base-port 0] [--config sim.yaml] [--control]
                           [--processes 1] [--max-num-seqs 64 --step-base-s 0.015 ...]
-                          [--kv-events [--kv-events-port 0]]
+                          [--kv-events [--kv-events-port 0]] [--lora NAME[=PATH] ...]
 
 Every SimConfig field is a flag (`--max-num-seqs`, `--prefill-per-token-s`, ...);
 flags override the YAML file, which overrides the defaults. `--kv-events` makes every
@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
         if kind is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=f"(default {f.default})")
+        elif typing.get_origin(kind) is list:  # --lora NAME[=PATH], repeated
+            g.add_argument(flag, dest=f.name, action="append", default=None,
+                           metavar="NAME[=PATH]", help="(repeatable)")
         else:
             g.add_argument(flag, dest=f.name, type=kind, default=None,
                            metavar=kind.__name__.upper(), help=f"(default {f.default})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpserve.config.settings import require as _require
@@ -60,6 +60,13 @@ class SimConfig:
     uniform factor in [1 - jitter, 1 + jitter], drawn from a generator seeded by `seed`."""
     seed: int = 0
     """Seed of the jitter generator; replica i of a fleet uses seed + i."""
+    lora: list[str] = field(default_factory=list)
+    """LoRA adapters loaded at start, each ``NAME`` or ``NAME=PATH`` (the path defaults to
+    the name), as vLLM's `--lora-modules`; more are loaded at run time with `POST
+    /v1/load_lora_adapter` (adapters.py). Flag `--lora`, repeated."""
+    max_loras: int = 1
+    """Most distinct adapters in one engine step's batch (vLLM's `--max-loras`, default 1):
+    a waiting request under another adapter waits while that many run."""
     kv_events: bool = False
     """Publish the prefix cache's KV-cache events over ZMQ in vLLM's wire format, and their
     endpoints at `GET /kv_event_sources`, as vLLM with `--kv-events-config` (kv_events.py)."""
@@ -103,9 +110,23 @@ def validate(c: SimConfig) -> None:
              "kv_events_buffer_steps", "must be an integer >= 1", c.kv_events_buffer_steps)
     _require(isinstance(c.kv_events_hwm, int) and c.kv_events_hwm >= 0, "kv_events_hwm",
              "must be an integer >= 0", c.kv_events_hwm)
+    _require(isinstance(c.max_loras, int) and c.max_loras >= 1, "max_loras",
+             "must be an integer >= 1", c.max_loras)
+    names = [parse_lora(entry)[0] for entry in c.lora]
+    for name in names:
+        _require(bool(name), "lora", "each entry must be NAME or NAME=PATH", c.lora)
+        _require(name != c.model, "lora", f"adapter {name!r} has the base model's name",
+                 c.lora)
+    _require(len(set(names)) == len(names), "lora", "adapter names must be unique", c.lora)
     _require(c.num_blocks * c.block_size >= c.max_model_len + c.block_size, "kv_cache_tokens",
              f"must hold at least one request of max_model_len ({c.max_model_len}) tokens "
              "plus one block", c.kv_cache_tokens)
+
+
+def parse_lora(entry: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (NAME, PATH); ``NAME`` -> (NAME, NAME). Both stripped."""
+    name, _, path = entry.partition("=")
+    return name.strip(), path.strip() or name.strip()
 
 
 def replace(c: SimConfig, **changes: Any) -> SimConfig:

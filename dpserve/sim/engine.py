@@ -8,7 +8,8 @@ Each engine step, like vLLM v1's scheduler:
    KV block when none is free preempts the newest running sequence, which goes
    back to the head of the queue and later recomputes its prompt and output;
 2. if nothing was preempted, admits waiting sequences first come first served,
-   while fewer than `max_num_seqs` run, budget is left and their blocks fit.
+   while fewer than `max_num_seqs` run, budget is left and their blocks fit (one
+   under a LoRA adapter beyond `max_loras` distinct ones in the batch is skipped).
    An admitted prompt starts after its longest cached block prefix (at least
    one token is always computed);
 3. takes ``step_base_s + prefill_per_token_s * prefill tokens + decode_per_seq_s
@@ -35,12 +36,16 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from dpserve.sim import kv_events
 from dpserve.sim.config import SimConfig, validate
 from dpserve.sim.metrics import EngineStats
 from dpserve.sim.prefix_cache import ROOT_HASH, BlockPool, block_hashes
 from dpserve.sim.tokenizer import output_ids
+
+if TYPE_CHECKING:
+    from dpserve.sim.adapters import Adapter
 
 _now = time.monotonic
 """The engine's clock: asyncio's own, and not uvloop's, which counts whole milliseconds."""
@@ -60,12 +65,16 @@ class SimSequence:
     """One request inside the engine. Read `output_count`, `finished`, `first_token_at`."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, arrival: float,
-                 config: SimConfig) -> None:
+                 config: SimConfig, lora: Adapter | None = None) -> None:
         self.prompt_ids = prompt_ids
+        self.lora = lora
+        """The LoRA adapter it runs under (None: the base model): its blocks' hashes
+        carry the adapter's extra keys, as vLLM's."""
+        self._extra_keys = None if lora is None else lora.hash_keys
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.arrival = arrival
-        self.hashes = (block_hashes(prompt_ids, config.block_size)
+        self.hashes = (block_hashes(prompt_ids, config.block_size, ROOT_HASH, self._extra_keys)
                        if config.enable_prefix_caching else [])
         """Hashes of the full blocks known so far: the prompt's, then the output's as
         `hash_blocks` adds them."""
@@ -102,7 +111,7 @@ class SimSequence:
         if n > done:
             parent = self.hashes[-1] if self.hashes else ROOT_HASH
             self.hashes += block_hashes(self.token_ids(done * block_size, n * block_size),
-                                        block_size, parent)
+                                        block_size, parent, self._extra_keys)
 
     def _notify(self) -> None:
         if (self._waiter is not None and not self._waiter.done()
@@ -157,9 +166,11 @@ class Engine:
     def kv_cache_usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
 
-    def add(self, prompt_ids: Sequence[int], max_tokens: int) -> SimSequence:
-        """Queue a request; the caller must `abort` it if it stops listening."""
-        seq = SimSequence(prompt_ids, max_tokens, _now(), self.config)
+    def add(self, prompt_ids: Sequence[int], max_tokens: int,
+            lora: Adapter | None = None) -> SimSequence:
+        """Queue a request, under LoRA adapter `lora` if given; the caller must `abort` it
+        if it stops listening."""
+        seq = SimSequence(prompt_ids, max_tokens, _now(), self.config, lora)
         self.waiting.append(seq)
         self._work.set()
         return seq
@@ -281,9 +292,20 @@ class Engine:
                 batch.append((seq, n))
                 budget -= n
                 i += 1
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < c.max_num_seqs and self._admit(self.waiting[0], budget)):
-            seq = self.waiting.popleft()
+        # As vLLM: a request under an adapter beyond `max_loras` keeps its place, skipped.
+        loras = {s.lora.id for s, _ in batch if s.lora is not None}
+        j = 0
+        while (not preempted and j < len(self.waiting) and budget > 0
+               and len(self.running) < c.max_num_seqs):
+            seq = self.waiting[j]
+            if seq.lora is not None and seq.lora.id not in loras and len(loras) >= c.max_loras:
+                j += 1
+                continue
+            if not self._admit(seq, budget):
+                break
+            if seq.lora is not None:
+                loras.add(seq.lora.id)
+            del self.waiting[j]
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             batch.append((seq, n))
@@ -347,7 +369,8 @@ class Engine:
             seq.held += [seq.hashes[j] for j in named]
             seq.unnamed -= len(named)
             if named and self._on_kv_events is not None:
-                self._stored(seq, named)
+                self._kv_events += kv_events.stored_runs(named, seq.hashes, seq.token_ids, bs,
+                                                         seq.lora)
             seq.named_upto = max(seq.named_upto, full)
             if seq.num_computed < seq.num_tokens:
                 continue  # prefill goes on next step
@@ -367,20 +390,6 @@ class Engine:
             self.stats.requests_finished += 1
             self.stats.e2e.observe(now - seq.arrival)
             seq._notify()
-
-    def _stored(self, seq: SimSequence, blocks: list[int]) -> None:
-        """Record `BlockStored` for the newly named blocks (indices into `seq.hashes`):
-        one event per run of consecutive blocks, each run the child of the block before
-        it. A block another sequence had named already is not stored again."""
-        bs = self.config.block_size
-        start = 0
-        for i in range(1, len(blocks) + 1):
-            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-                first, end = blocks[start], blocks[i - 1] + 1
-                self._kv_events.append(kv_events.stored(
-                    seq.hashes[first:end], seq.hashes[first - 1] if first else None,
-                    seq.token_ids(first * bs, end * bs), bs))
-                start = i
 
     def _evicted(self, h: int) -> None:
         self._kv_events.append(kv_events.removed(h))

@@ -15,20 +15,23 @@ from prometheus_client.core import (
     Metric,
 )
 
+from dpserve.sim.adapters import Adapters
 from dpserve.sim.engine import Engine
 from dpserve.sim.metrics import Histogram
 
 
-def render(engine: Engine) -> bytes:
-    """The Prometheus text page of `engine`, read at call time."""
+def render(engine: Engine, adapters: Adapters | None = None) -> bytes:
+    """The Prometheus text page of `engine` (and its replica's LoRA `adapters`: then
+    `vllm:lora_requests_info` too, as vLLM with `--enable-lora`), read at call time."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(engine))
+    registry.register(_Collector(engine, adapters))
     return generate_latest(registry)
 
 
 class _Collector:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, adapters: Adapters | None) -> None:
         self._engine = engine
+        self._adapters = adapters
 
     def collect(self) -> Iterable[Metric]:
         e, s = self._engine, self._engine.stats
@@ -77,6 +80,8 @@ class _Collector:
                         "Histogram of time to first token in seconds.", s.ttft)
         yield histogram("vllm:e2e_request_latency_seconds",
                         "Histogram of e2e request latency in seconds.", s.e2e)
+        if self._adapters is not None:
+            yield self._lora_info(self._adapters)
         error = HistogramMetricFamily(
             "dpserve_sim_step_timing_error_seconds",
             "How far the simulator's event loop missed engine steps' modelled deadlines, "
@@ -84,3 +89,18 @@ class _Collector:
             "simulate this load faithfully.", labels=["model_name"])
         error.add_metric([e.config.model], s.timing_error.buckets(), s.timing_error.sum)
         yield error
+
+    def _lora_info(self, adapters: Adapters) -> Metric:
+        """vLLM's `vllm:lora_requests_info`: one sample per label set it ever had, valued
+        the wall time it was last current (no model or engine label). vLLM refreshes the
+        current one every engine step; here, at every scrape while requests are in flight
+        (and whenever one starts or ends)."""
+        e = self._engine
+        if e.num_running or e.num_waiting:
+            adapters.record()
+        m = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters",
+                                      "running_lora_adapters"])
+        for labels, at in adapters.info.items():
+            m.add_metric(list(labels), at)
+        return m

@@ -7,7 +7,9 @@ real vLLM (`dpserve/router/kv/events.py` decodes it and documents the format):
 - `BlockStored` when full blocks are named (prompt or generated), one event per
   sequence and run of consecutive new blocks: their hashes, the hash of the block
   before them (None for a prompt's first block), their token ids, `block_size`,
-  `medium="GPU"`, `group_idx=0` (one KV-cache group), no LoRA;
+  `medium="GPU"`, `group_idx=0` (one KV-cache group), `kv_cache_spec_kind`
+  "full_attention", per block `extra_keys` (None, or the LoRA adapter's name), and the
+  adapter's `lora_id` and `lora_name` for a request under one;
 - `BlockRemoved` for each block evicted, one event per block, as vLLM sends them;
 - `AllBlocksCleared` after `Engine.reset_prefix_cache` (a weight reload's reset), with
   the next step's events. A replica that stops and starts again is a new publisher,
@@ -44,7 +46,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import zmq
@@ -52,9 +55,15 @@ import zmq.asyncio
 
 from dpserve.sim.config import SimConfig
 
+if TYPE_CHECKING:
+    from dpserve.sim.adapters import Adapter
+
 log = logging.getLogger("dpserve.sim")
 
 MEDIUM_GPU: Final = "GPU"
+FULL_ATTENTION: Final = "full_attention"
+"""The `kv_cache_spec_kind` vLLM's KV-cache manager stamps on a full-attention group's
+stores (`KVCacheSpecKind.FULL_ATTENTION`); its sliding window stays None."""
 MAX_QUEUE_SIZE: Final = 100_000
 """vLLM's default `max_queue_size` (events queued for its publisher thread), reported
 by `/kv_event_sources`. The simulator has no such queue: it sends from the step."""
@@ -117,13 +126,37 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def stored(hashes: list[int], parent: int | None, token_ids: list[int],
-           block_size: int) -> BlockStored:
-    """The event for newly named blocks of the base model on the GPU, in KV-cache group 0."""
+def stored(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int,
+           lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
+    """The event for newly named blocks on the GPU, in KV-cache group 0 (full attention),
+    as vLLM 0.32's block pool and KV-cache manager write it: `extra_keys` one entry per
+    block, the adapter's name alone (``(lora_name,)``) under a LoRA adapter, else None."""
+    keys: tuple[Any, ...] | None = None if lora_name is None else (lora_name,)
     return BlockStored(block_hashes=[wire_hash(h) for h in hashes],
                        parent_block_hash=None if parent is None else wire_hash(parent),
-                       token_ids=token_ids, block_size=block_size, lora_id=None,
-                       medium=MEDIUM_GPU, lora_name=None, group_idx=0)
+                       token_ids=token_ids, block_size=block_size, lora_id=lora_id,
+                       medium=MEDIUM_GPU, lora_name=lora_name,
+                       extra_keys=[keys] * len(hashes), group_idx=0,
+                       kv_cache_spec_kind=FULL_ATTENTION)
+
+
+def stored_runs(blocks: list[int], hashes: list[int], token_ids: Callable[[int, int], list[int]],
+                block_size: int, lora: Adapter | None = None) -> list[BlockStored]:
+    """`BlockStored` events for the newly named blocks `blocks` (indices into `hashes`,
+    a sequence's chain; `token_ids(start, end)` its tokens; `lora` its adapter): one per
+    run of consecutive blocks, each the child of the block before it (None for a
+    prompt's first)."""
+    lora_id, lora_name = (None, None) if lora is None else (lora.id, lora.name)
+    events: list[BlockStored] = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            first, end = blocks[start], blocks[i - 1] + 1
+            events.append(stored(hashes[first:end], hashes[first - 1] if first else None,
+                                 token_ids(first * block_size, end * block_size), block_size,
+                                 lora_id, lora_name))
+            start = i
+    return events
 
 
 def removed(h: int) -> BlockRemoved:

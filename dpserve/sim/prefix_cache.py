@@ -11,22 +11,23 @@ first; a block is evicted (its hash forgotten) only then. So the prefix cache is
 whatever part of the KV cache the running batch does not need, as in vLLM, and
 it shrinks under load.
 
-Only counts and hashes are kept; no token data. The hashes are vLLM 0.32's own
-under its default `--prefix-caching-hash-algo sha256`
-(`vllm/v1/core/kv_cache_utils.py`, `hash_block_tokens`): the SHA-256 digest of
-``pickle.dumps((parent_digest, tuple(block_token_ids), None), HIGHEST_PROTOCOL)``,
-``None`` being the extra keys of a block without LoRA, multimodal input, cache salt or
-prompt embeddings, and a prompt's first block the child of vLLM's ``NONE_HASH``
+Only counts and hashes are kept; no token data. The hashes are vLLM 0.32's own under its
+default `--prefix-caching-hash-algo sha256` (`vllm/v1/core/kv_cache_utils.py`,
+`hash_block_tokens`): the SHA-256 digest of ``pickle.dumps((parent_digest,
+tuple(block_token_ids), None), HIGHEST_PROTOCOL)``, ``None`` being the extra keys of a
+block without LoRA, multimodal input, cache salt or prompt embeddings (under a LoRA
+adapter they are ``(("lora", name, path),)``, so its blocks are no hit for another
+adapter or the base model), and a prompt's first block the child of vLLM's ``NONE_HASH``
 (`ROOT_HASH`). A digest is kept as the unsigned int its 32 bytes spell big-endian (so
 the engine's bookkeeping stays in ints); its low 64 bits are the int vLLM publishes
-(`kv_events.wire_hash`). So a replica names and publishes a block as a vLLM engine
-does for the same token ids and PYTHONHASHSEED: a subscriber that recomputes vLLM's
-hashes from token ids finds it, and one that keys on token ids and uses the hashes
-only to chain and remove blocks (dpserve's index, vllm-router 0.1.17's) sees the
-same events as from vLLM. vLLM is not imported: the few lines are mirrored here, and
-tests/sim/test_vllm_block_hashes.py holds them to vLLM's. About 1.3 us a 16-token
-block (pickle and SHA-256 in C), five times Python's `hash` of the tuple used before:
-some 0.2 ms for a 2,000-token prompt.
+(`kv_events.wire_hash`). So a replica names and publishes a block as a vLLM engine does
+for the same token ids and PYTHONHASHSEED: a subscriber that recomputes vLLM's hashes
+from token ids finds it, and one that keys on token ids and uses the hashes only to
+chain and remove blocks (dpserve's index, vllm-router 0.1.17's) sees the same events as
+from vLLM. vLLM is not imported: the few lines are mirrored here, and
+tests/sim/test_vllm_block_hashes.py holds them to vLLM's. About 1.3 us a 16-token block
+(pickle and SHA-256 in C), five times Python's `hash` of the tuple used before: some 0.2
+ms for a 2,000-token prompt.
 """
 
 from __future__ import annotations
@@ -66,15 +67,18 @@ PYTHONHASHSEED, read once at import as vLLM's engine core reads it at start-up."
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
-                 parent: int = ROOT_HASH) -> list[int]:
+                 parent: int = ROOT_HASH, extra_keys: tuple[Any, ...] | None = None
+                 ) -> list[int]:
     """Chained hashes of the full blocks of `token_ids` (a trailing partial block has none),
     the first one the child of `parent` (the block before them, or none), as vLLM's
-    `hash_block_tokens` computes them. `token_ids` must be Python ints: pickle writes
-    other integer types (numpy's) differently."""
+    `hash_block_tokens` computes them. `extra_keys` are hashed with every block: vLLM's
+    for a request under a LoRA adapter, ``(("lora", name, path),)``
+    (`adapters.Adapter.hash_keys`); None for the base model. `token_ids` must be Python
+    ints: pickle writes other integer types (numpy's) differently."""
     digest = parent.to_bytes(DIGEST_BYTES, "big")
     hashes: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        digest = sha256((digest, tuple(token_ids[start:start + block_size]), None))
+        digest = sha256((digest, tuple(token_ids[start:start + block_size]), extra_keys))
         hashes.append(int.from_bytes(digest, "big"))
     return hashes
 

@@ -15,6 +15,7 @@ Chat template: each message becomes ``<|role|>`` and its text, then
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,15 +44,22 @@ class GenerationRequest:
     include_usage: bool
     logprobs: bool = False
     """A completion asked for the chosen tokens' logprobs (`logprobs` >= 0)."""
+    lora: str | None = None
+    """The LoRA adapter the request names as its `model` (None: the base model)."""
 
 
-def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
-    """Validate a completions or chat body; raise ProtocolError as vLLM would."""
+def parse(kind: Kind, body: Any, config: SimConfig,
+          adapters: Container[str] = ()) -> GenerationRequest:
+    """Validate a completions or chat body; raise ProtocolError as vLLM would. `model`
+    may name the base model or one of `adapters` (the LoRA adapters loaded)."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != config.model:
-        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model")
+    lora = (model if isinstance(model, str) and model != config.model and model in adapters
+            else None)
+    if model and model != config.model and lora is None:
+        raise ProtocolError(f"The model `{model}` does not exist. Valid aliases: "
+                            f"{config.model}.", status=404, param="model")
     if body.get("n", 1) != 1:
         raise ProtocolError("the simulator serves n=1 only", param="n")
     ids = prompt_ids(kind, body)
@@ -81,7 +89,8 @@ def parse(kind: Kind, body: Any, config: SimConfig) -> GenerationRequest:
     return GenerationRequest(kind, ids, max_tokens, stream,
                              stream and isinstance(options, dict)
                              and bool(options.get("include_usage")),
-                             logprobs=kind != "chat" and body.get("logprobs") not in (None, False))
+                             logprobs=kind != "chat" and body.get("logprobs") not in (None, False),
+                             lora=lora)
 
 
 def _invalid(message: str, param: str, value: Any = None) -> ProtocolError:

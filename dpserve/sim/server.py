@@ -6,8 +6,10 @@ Routes, as vLLM's OpenAI server has them: `POST /v1/completions`,
 `GET /kv_event_sources` (`{}` unless `config.kv_events`; see kv_events.py), and
 `POST /reset_prefix_cache[?reset_running_requests=true]`, the dev endpoint of vLLM
 (`VLLM_SERVER_DEV_MODE=1`, which dpserve starts its replicas with) that a deploy calls
-after reloading weights. With `control=True` also `GET|PUT|DELETE /sim/fault` (see
-faults.py); off by default, so a router in front cannot be told about the simulation.
+after reloading weights; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+(adapters.py), vLLM's run-time LoRA endpoints. With `control=True` also
+`GET|PUT|DELETE /sim/fault` (see faults.py); off by default, so a router in front
+cannot be told about the simulation.
 
 A client that disconnects aborts its request in the engine, as in vLLM. Not one
 of the test fakes: it models an engine's scheduler, KV cache and prefix cache in
@@ -31,6 +33,7 @@ from aiohttp import web
 from dpserve.config import ConfigError
 from dpserve.router.errors import error_body
 from dpserve.sim import exposition, protocol
+from dpserve.sim.adapters import Adapters, Answer
 from dpserve.sim.config import SimConfig
 from dpserve.sim.engine import Engine, SimSequence
 from dpserve.sim.faults import Fault
@@ -55,6 +58,8 @@ class SimReplica:
         self.kv_events = KVEventPublisher(config) if config.kv_events else None
         """The event publisher (its `endpoint`, `replay_endpoint`), with `config.kv_events`."""
         self._own_context: zmq.asyncio.Context | None = None
+        self.adapters = Adapters(config)
+        """The LoRA adapters served (`--lora`, then `/v1/load_lora_adapter`)."""
         self.engine = Engine(config, seed=config.seed + index,
                              on_kv_events=self.kv_events.publish if self.kv_events else None)
         self.port = 0
@@ -92,6 +97,8 @@ class SimReplica:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/kv_event_sources", self._kv_event_sources)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         if self._control:
             app.router.add_route("*", "/sim/fault", self._fault_endpoint)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
@@ -160,13 +167,15 @@ class SimReplica:
         if not self.engine_alive:
             return _error(500, "the simulated engine is not running")
         try:
-            req = protocol.parse(kind, await _json(request), self.config)
+            req = protocol.parse(kind, await _json(request), self.config, self.adapters.loaded)
         except protocol.ProtocolError as exc:
             return _error(exc.status, exc.message, param=exc.param)
         if not req.stream and self._stalled(0):
             return await self._hang()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-sim{self.index}-{next(self._ids)}"
-        seq = self.engine.add(req.prompt_ids, req.max_tokens)
+        lora = self.adapters.get(req.lora)
+        seq = self.engine.add(req.prompt_ids, req.max_tokens, lora)
+        self.adapters.request_started(lora)
         try:
             if req.stream:
                 return await self._stream(request, req, rid, seq)
@@ -174,17 +183,18 @@ class SimReplica:
                 return _error(503, "aborted: the simulated replica stopped or its engine died")
             text = protocol.output_text(req.prompt_ids, 0, seq.output_count)
             return web.json_response(protocol.full_response(
-                req, rid, int(time.time()), self.config.model, text, seq.output_count,
-                "length"))
+                req, rid, int(time.time()), req.lora or self.config.model, text,
+                seq.output_count, "length"))
         finally:
             self.engine.abort(seq)
+            self.adapters.request_ended(lora)
 
     async def _stream(self, request: web.Request, req: protocol.GenerationRequest, rid: str,
                       seq: SimSequence) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        chunks = protocol.ChunkWriter(req, rid, int(time.time()), self.config.model)
+        chunks = protocol.ChunkWriter(req, rid, int(time.time()), req.lora or self.config.model)
         if self._stalled(0):
             self.engine.abort(seq)
             await self._hang()
@@ -233,7 +243,7 @@ class SimReplica:
         return web.json_response({"object": "list", "data": [{
             "id": model, "object": "model", "created": self._created, "owned_by": "vllm",
             "root": model, "parent": None, "max_model_len": self.config.max_model_len,
-            "permission": []}]})
+            "permission": []}, *self.adapters.model_cards(self._created)]})
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self.engine_alive:
@@ -241,7 +251,7 @@ class SimReplica:
         return web.Response(status=self._fault.health_status if self._fault else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=exposition.render(self.engine),
+        return web.Response(body=exposition.render(self.engine, self.adapters),
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def _kv_event_sources(self, request: web.Request) -> web.Response:
@@ -264,6 +274,14 @@ class SimReplica:
             return _error(500, str(exc))
         return web.json_response({"success": success})
 
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        return _answer(self.adapters.load(request.headers.get("Content-Type", ""),
+                                          await request.read()))
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return _answer(self.adapters.unload(request.headers.get("Content-Type", ""),
+                                            await request.read()))
+
     async def _fault_endpoint(self, request: web.Request) -> web.Response:
         if request.method == "PUT":
             try:
@@ -282,6 +300,13 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+
+
+def _answer(answer: Answer) -> web.Response:
+    response = web.Response(status=answer.status, body=answer.body)
+    if answer.content_type is not None:
+        response.content_type = answer.content_type
+    return response
 
 
 def _error(status: int, message: str, *, param: str | None = None) -> web.Response:

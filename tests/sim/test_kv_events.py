@@ -29,7 +29,7 @@ from dpserve.router.kv.index import KVIndex
 from dpserve.router.kv.sources import parse_sources
 from dpserve.sim import Fleet, SimReplica, tokenizer
 from dpserve.sim.kv_events import KVEventBatch, KVEventPublisher, wire_hash
-from dpserve.sim.prefix_cache import block_hashes
+from dpserve.sim.prefix_cache import ROOT_HASH, block_hashes
 from tests.sim.conftest import FAST, running_engine
 from tests.waiting import wait_for
 
@@ -102,7 +102,7 @@ async def test_a_subscriber_sees_the_prompt_s_blocks_stored_with_the_tokenizer_s
     assert batch.events == (Stored(
         block_hashes=tuple(wire_hash(h) for h in block_hashes(ids, BS)), parent=None,
         token_ids=tuple(ids[:full * BS]), block_size=BS, lora_name=None, lora_id=None,
-        medium="GPU", group_idx=0),)
+        medium="GPU", group_idx=0, opaque=(False,) * full),)  # vLLM's extra_keys: [nil] * n
 
 
 async def test_the_answer_s_blocks_are_stored_as_their_tokens_are_computed():
@@ -327,3 +327,42 @@ async def test_a_prefix_cache_reset_sends_all_blocks_cleared_and_the_index_forge
     assert index.apply("r0", 1, decoded[1].events) is None
     assert index.match(first, None, BS) == {"r0": 0}
     assert index.match(second, None, BS) == {"r0": 2}
+
+
+async def test_the_index_finds_a_prompt_served_under_an_adapter_for_that_adapter_only():
+    """A subscriber decoding the events of a prompt served under adapter A finds it cached
+    for A, not for the base model nor for adapter B: the blocks carry A's `lora_name`
+    (and `lora_id`, and A's name per block in `extra_keys`), which roots their chain."""
+    ids = tokenizer.encode(PROMPT)
+    config = dataclasses.replace(EVENTS, lora=["a=/adapters/a", "b=/adapters/b"])
+    async with Fleet(n=1, config=config) as fleet, zmq_context() as ctx, \
+            aiohttp.ClientSession() as s:
+        url = fleet.urls[0]
+        index = KVIndex()
+        sub, probes = await subscribe(ctx, s, url)
+        for b in probes:
+            index.apply(url, b.seq, b.events)
+        body = {"model": "a", "prompt": PROMPT, "max_tokens": 4}
+        async with s.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and (await resp.json())["model"] == "a"
+        seen: list[Stored] = []
+
+        async def caught_up() -> bool:
+            while await sub.poll(0):
+                b = decode(await sub.recv_multipart())
+                assert index.apply(url, b.seq, b.events) is None  # no batch missed
+                seen.extend(e for e in b.events if isinstance(e, Stored))
+            return index.match(ids, "a", BS)[url] > 0
+
+        await wait_for(caught_up, "the prompt's blocks under adapter a in the index")
+    full = len(ids) // BS
+    assert index.match(ids, "a", BS) == {url: full}
+    assert index.match(ids, None, BS) == {url: 0}
+    assert index.match(ids, "b", BS) == {url: 0}
+    assert seen and all(e.lora_name == "a" and e.lora_id == 1 and e.opaque
+                        and not any(e.opaque) for e in seen)
+    # the hashes are those of vLLM's chain under a: the tokens with ("lora", "a", path)
+    a = fleet[0].adapters.get("a")
+    assert a is not None
+    assert seen[0].block_hashes == tuple(
+        wire_hash(h) for h in block_hashes(ids, BS, ROOT_HASH, a.hash_keys))

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from dpserve.sim import kv_events
+from dpserve.sim.adapters import Adapter
 from dpserve.sim.prefix_cache import ROOT_HASH, block_hashes
 from tests.sim.conftest import FAST, running_engine
+from tests.waiting import wait_for
 
 SEQUENCES = [
     list(range(64)),  # small ids: one-byte pickle opcodes
@@ -45,10 +48,10 @@ def engine_hashes(vllm: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Ite
     sha256 = vllm.hashing.sha256
     vllm.utils.init_none_hash(sha256)
 
-    def request(ids: list[int], block_size: int) -> Any:
+    def request(ids: list[int], block_size: int, lora_request: Any = None) -> Any:
         hasher = vllm.utils.get_request_block_hasher(block_size, sha256)
         return vllm.request.Request("r", ids, vllm.sampling.SamplingParams(max_tokens=1),
-                                    None, block_hasher=hasher)
+                                    None, block_hasher=hasher, lora_request=lora_request)
 
     yield request
     monkeypatch.undo()
@@ -123,3 +126,67 @@ def test_with_the_same_pythonhashseed_as_vllm_the_hashes_are_vllm_s(
     expected = published(engine_hashes(ids, 16), vllm)
     assert out == f"{expected}\n"
     assert expected != [kv_events.wire_hash(h) for h in block_hashes(ids, 16)]
+
+
+# --- LoRA adapters --------------------------------------------------------------------
+
+ADAPTER = Adapter(name="sql-lora", path="/adapters/sql", id=3)
+
+
+@pytest.fixture
+def lora_request(vllm: SimpleNamespace) -> Any:
+    lora = pytest.importorskip("vllm.lora.request")
+    return lora.LoRARequest(ADAPTER.name, ADAPTER.id, ADAPTER.path)
+
+
+@pytest.mark.parametrize("ids", SEQUENCES)
+def test_block_hashes_under_an_adapter_are_vllm_s_for_a_lora_request(
+        ids: list[int], vllm: SimpleNamespace, engine_hashes: Any, lora_request: Any) -> None:
+    request = engine_hashes(ids, 16, lora_request)
+    ours = block_hashes(ids, 16, ROOT_HASH, ADAPTER.hash_keys)
+    assert digests(ours) == request.block_hashes
+    # vLLM's own extra keys for one of those blocks are the ones hashed
+    keys, _ = vllm.utils.generate_block_hash_extra_keys(request, 0, 16, 0)
+    assert keys == ADAPTER.hash_keys
+    # no block of the chain is the base model's, nor another adapter's (or another path's)
+    renamed = Adapter(name="other", path=ADAPTER.path, id=3)
+    moved = Adapter(name=ADAPTER.name, path="/adapters/sql-v2", id=3)
+    others = [block_hashes(ids, 16), *(block_hashes(ids, 16, ROOT_HASH, a.hash_keys)
+                                       for a in (renamed, moved))]
+    assert all(not set(ours) & set(other) for other in others)
+
+
+def _vllm_stored(vllm: SimpleNamespace, request: Any, num_blocks: int, block_size: int
+                 ) -> Any:
+    """The `BlockStored` vLLM 0.32's block pool writes when `request`'s first `num_blocks`
+    blocks are cached, stamped with the group's kind as its KV-cache manager does."""
+    pool_module = pytest.importorskip("vllm.v1.core.block_pool")
+    pool = pool_module.BlockPool(num_blocks + 1, True, block_size, enable_kv_cache_events=True)
+    pool.cache_full_blocks(request, pool.get_new_blocks(num_blocks), 0, num_blocks,
+                           block_size, 0)
+    (event,) = pool.take_events()
+    event.kv_cache_spec_kind = "full_attention"  # KVCacheManager.take_events, a dense model
+    return event
+
+
+@pytest.mark.parametrize("adapter", [None, ADAPTER])
+async def test_a_replica_s_stored_event_is_the_one_vllm_writes(
+        adapter: Adapter | None, vllm: SimpleNamespace, engine_hashes: Any,
+        lora_request: Any) -> None:
+    """Field for field and byte for byte, for the base model (`extra_keys` one nil per
+    block) and under an adapter (its id and name, and the name per block)."""
+    vllm_events = pytest.importorskip("vllm.distributed.kv_events")
+    bs = FAST.block_size
+    prompt = list(range(500, 500 + 3 * bs + 5))
+    batches: list[list[kv_events.Event]] = []
+    async with running_engine(FAST, on_kv_events=batches.append) as engine:
+        seq = engine.add(prompt, max_tokens=1, lora=adapter)
+        await wait_for(lambda: batches, "the prompt's blocks stored")
+        await seq.wait_beyond(0)
+    (ours,) = batches[0]
+    request = engine_hashes(prompt, bs, lora_request if adapter else None)
+    theirs = _vllm_stored(vllm, request, 3, bs)
+    assert msgspec.msgpack.encode(ours) == msgspec.msgpack.encode(theirs)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(ours), type=vllm_events.BlockStored)
+    assert (decoded.lora_id, decoded.lora_name, decoded.extra_keys) == (
+        (None, None, [None] * 3) if adapter is None else (3, "sql-lora", [("sql-lora",)] * 3))
