@@ -8,9 +8,11 @@ vllm-router, behind 1 or 2 routers, on a simulated fleet publishing KV events.
 For every (workload, arm), from cold, as ``quality.py`` does: a fresh simulated fleet
 (``python -m dpserve.sim --kv-events``, the engines of ``sim_fleet.SIM_CONFIG``), the
 arm's router process(es) in front, the load in a process of its own, the fleet's
-``/metrics`` before and after. An arm is ``KIND:POLICY[:ROUTERS]``: ``ROUTERS`` separate
-router processes on their own ports with the same replicas, which the load sends to in
-turn (clients behind a Kubernetes Service). dpserve's ``kv-aware`` runs with
+``/metrics`` before and after. An arm is ``KIND:POLICY[:ROUTERS][:peers][:wWORKERS]``:
+``ROUTERS`` separate router processes on their own ports with the same replicas, which
+the load sends to in turn (clients behind a Kubernetes Service); ``peers``: dpserve
+routers told of each other; ``wWORKERS``: each dpserve router with that many
+data-plane workers. dpserve's ``kv-aware`` runs with
 ``--tokenizer sim``, the simulator's own tokenizer, so that the token ids it looks up
 are the ones the engines cache and publish; vllm-router's ``kv_aware`` is pointed at
 each replica's event endpoints (``GET /kv_event_sources``); see the README for why it
@@ -67,6 +69,7 @@ from benchmarks.routing import chat_load, kv_study, quality, workloads
 from benchmarks.routing import sim_fleet as fleet
 from benchmarks.routing.kv_routers import router_command, wait_following
 from benchmarks.routing.quality_kv_report import (
+    ARM_FORM,
     Arm,
     Row,
     add_series,
@@ -102,7 +105,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add = p.add_argument
     add("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     add("--arms", default=",".join(a.name for a in ARMS),
-        help="KIND:POLICY[:ROUTERS], comma-separated (also: "
+        help=f"{ARM_FORM}, comma-separated (also: "
              + ",".join(a.name for a in OPT_IN_ARMS) + ")")
     add("--replicas", type=int, default=8)
     add("--num-prompts", type=int, default=400, help="requests per open-loop run")
