@@ -28,6 +28,13 @@ others means the engine restarted: its cache is empty, so is the replica's state
 
 The replica's state starts from the first batch seen. Blocks stored before it are
 unknown: the index underestimates what such a replica holds, never overestimates.
+
+Copies: two requests that compute the same prefix at once (admitted in one step, the
+second before the first's blocks were cached) each cache their own blocks, and vLLM
+stores both under the same hashes: a `BlockStored` for each copy, and a
+`BlockRemoved` for each copy evicted (`BlockPool.cache_full_blocks`,
+`_maybe_evict_cached_block`). The engine still hits on the prefix while one copy is
+left, so the index counts copies and forgets a block with its last one.
 """
 
 from __future__ import annotations
@@ -125,12 +132,15 @@ class ReplicaStats:
 
 
 class _Replica:
-    __slots__ = ("applied", "block_size", "blocks", "chains", "evicted", "gaps", "latest",
-                 "seq", "skipped", "stale", "unkeyed")
+    __slots__ = ("applied", "block_size", "blocks", "chains", "copies", "evicted", "gaps",
+                 "latest", "seq", "skipped", "stale", "unkeyed")
 
     def __init__(self) -> None:
         self.blocks: OrderedDict[_BlockKey, int | None] = OrderedDict()
         self.chains: dict[int, int] = {}  # chain key -> how many blocks carry it
+        self.copies: dict[_BlockKey, int] = {}
+        """Blocks stored more than once and not removed as often: how many copies the
+        engine holds (a block absent here and in `blocks` holds one)."""
         self.seq: int | None = None
         self.latest = -1  # the highest batch number seen, applied or not
         self.stale = False
@@ -141,8 +151,11 @@ class _Replica:
     def clear(self) -> None:
         self.blocks.clear()
         self.chains.clear()
+        self.copies.clear()
 
     def forget(self, key: _BlockKey) -> None:
+        """The block gone, with every copy of it."""
+        self.copies.pop(key, None)
         chain = self.blocks.pop(key, None)
         if chain is not None:
             left = self.chains[chain] - 1
@@ -173,9 +186,13 @@ class _Replica:
                 chain = None
                 self.unkeyed += 1
             key = (event.medium, group, engine_hash)
-            if key in self.blocks:
+            copies = 0
+            if key in self.blocks:  # another copy, or the block stored again
+                copies = self.copies.get(key, 1)
                 self.forget(key)
             self.blocks[key] = chain
+            if copies:
+                self.copies[key] = copies + 1
             if chain is not None:
                 self.chains[chain] = self.chains.get(chain, 0) + 1
                 for held in sent:
@@ -186,8 +203,16 @@ class _Replica:
 
     def remove(self, event: Removed) -> None:
         group = event.group_idx or 0
+        copies = self.copies
         for engine_hash in event.block_hashes:
-            self.forget((event.medium, group, engine_hash))
+            key = (event.medium, group, engine_hash)
+            left = copies.get(key, 1) - 1
+            if left > 1:
+                copies[key] = left
+            elif left == 1:
+                del copies[key]
+            else:
+                self.forget(key)
 
 
 class KVIndex:
