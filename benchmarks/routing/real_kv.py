@@ -304,6 +304,8 @@ ROUTER_SERIES = {
     'dpserve_event_loop_lag_seconds_bucket{le="0.01"}': "lag_fast",
     'dpserve_kv_routing_decisions_total{basis="events"}': "on_events",
     "dpserve_kv_event_batches_total": "event_batches",
+    'dpserve_kv_routed_tokens_total{kind="prompt"}': "expected_prompt",
+    'dpserve_kv_routed_tokens_total{kind="cached"}': "expected_cached",
 }
 """A dpserve router's time from taking a request to the first byte from a replica, its
 event loop's lag (samples within 10 ms: `lag_fast`), and with kv-aware the requests
@@ -404,8 +406,13 @@ def _slow_loop(runs: Sequence[Run]) -> str:
 def _kv(run: Run) -> str:
     if not run.engine.get("event_batches"):
         return ""
+    expected = run.engine.get("expected_cached")
+    said = "" if expected is None else (
+        f"; the router expected {expected:,.0f} of {run.engine.get('expected_prompt', 0):,.0f}"
+        f" prompt tokens cached where it sent them, the engines hit {run.hits:,.0f} of "
+        f"{run.queries:,.0f}")
     return (f"; placed on events {run.engine.get('on_events', 0):.0f}, "
-            f"{run.engine['event_batches']:.0f} event batches")
+            f"{run.engine['event_batches']:.0f} event batches{said}")
 
 
 def _per_replica(run: Run) -> str:
