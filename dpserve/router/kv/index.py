@@ -29,12 +29,15 @@ others means the engine restarted: its cache is empty, so is the replica's state
 The replica's state starts from the first batch seen. Blocks stored before it are
 unknown: the index underestimates what such a replica holds, never overestimates.
 
-Copies: two requests that compute the same prefix at once (admitted in one step, the
-second before the first's blocks were cached) each cache their own blocks, and vLLM
-stores both under the same hashes: a `BlockStored` for each copy, and a
-`BlockRemoved` for each copy evicted (`BlockPool.cache_full_blocks`,
-`_maybe_evict_cached_block`). The engine still hits on the prefix while one copy is
-left, so the index counts copies and forgets a block with its last one.
+Copies are not counted, on purpose. Two requests that compute one prefix at once each
+cache a copy, and vLLM stores both under the same hashes, then sends a `BlockRemoved`
+per copy evicted: the index forgets the block at the first, while the engine still
+hits on the other (an underestimate, until the prefix is stored again). Counting
+copies would be exact for that, but vLLM also stores again, with no new copy, the
+blocks a request reused when it asks for `"vllm_xargs": {"kv_cache_report_mode":
+"full"}`, which any client can send: those would never be removed as often as stored,
+and the index would overestimate for as long as the replica runs
+(tests/router/kv/test_index_vllm_pool.py holds both cases to vLLM's own block pool).
 """
 
 from __future__ import annotations
@@ -132,15 +135,12 @@ class ReplicaStats:
 
 
 class _Replica:
-    __slots__ = ("applied", "block_size", "blocks", "chains", "copies", "evicted", "gaps",
-                 "latest", "seq", "skipped", "stale", "unkeyed")
+    __slots__ = ("applied", "block_size", "blocks", "chains", "evicted", "gaps", "latest",
+                 "seq", "skipped", "stale", "unkeyed")
 
     def __init__(self) -> None:
         self.blocks: OrderedDict[_BlockKey, int | None] = OrderedDict()
         self.chains: dict[int, int] = {}  # chain key -> how many blocks carry it
-        self.copies: dict[_BlockKey, int] = {}
-        """Blocks stored more than once and not removed as often: how many copies the
-        engine holds (a block absent here and in `blocks` holds one)."""
         self.seq: int | None = None
         self.latest = -1  # the highest batch number seen, applied or not
         self.stale = False
@@ -151,11 +151,8 @@ class _Replica:
     def clear(self) -> None:
         self.blocks.clear()
         self.chains.clear()
-        self.copies.clear()
 
     def forget(self, key: _BlockKey) -> None:
-        """The block gone, with every copy of it."""
-        self.copies.pop(key, None)
         chain = self.blocks.pop(key, None)
         if chain is not None:
             left = self.chains[chain] - 1
@@ -186,13 +183,9 @@ class _Replica:
                 chain = None
                 self.unkeyed += 1
             key = (event.medium, group, engine_hash)
-            copies = 0
-            if key in self.blocks:  # another copy, or the block stored again
-                copies = self.copies.get(key, 1)
+            if key in self.blocks:
                 self.forget(key)
             self.blocks[key] = chain
-            if copies:
-                self.copies[key] = copies + 1
             if chain is not None:
                 self.chains[chain] = self.chains.get(chain, 0) + 1
                 for held in sent:
@@ -203,16 +196,8 @@ class _Replica:
 
     def remove(self, event: Removed) -> None:
         group = event.group_idx or 0
-        copies = self.copies
         for engine_hash in event.block_hashes:
-            key = (event.medium, group, engine_hash)
-            left = copies.get(key, 1) - 1
-            if left > 1:
-                copies[key] = left
-            elif left == 1:
-                del copies[key]
-            else:
-                self.forget(key)
+            self.forget((event.medium, group, engine_hash))
 
 
 class KVIndex:

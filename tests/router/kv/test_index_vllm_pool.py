@@ -1,6 +1,7 @@
 """The index against the events vLLM's own block pool writes (vLLM 0.32, installed for
 the tests), encoded as its ZMQ publisher sends them and read by the router's decoder:
-what the index says a replica holds is what the pool would hit on."""
+the index never says a replica holds more than the pool would hit on, and says as
+much when each block was stored once."""
 
 from __future__ import annotations
 
@@ -43,13 +44,17 @@ class Engine:
         self.seq = 0
         self._ids = 0
 
+    def request(self, ids: list[int], **extra_args: str) -> Any:
+        self._ids += 1
+        params = self.vllm.sampling.SamplingParams(max_tokens=1, extra_args=extra_args or None)
+        return self.vllm.request.Request(
+            f"r{self._ids}", ids, params, None,
+            block_hasher=self.vllm.utils.get_request_block_hasher(BS, self.vllm.hashing.sha256))
+
     def compute(self, ids: list[int]) -> Any:
         """A request that computed `ids` in blocks of its own (no prefix hit taken, as
         when two arrive in one step), its full blocks cached; returns the blocks."""
-        self._ids += 1
-        request = self.vllm.request.Request(
-            f"r{self._ids}", ids, self.vllm.sampling.SamplingParams(max_tokens=1), None,
-            block_hasher=self.vllm.utils.get_request_block_hasher(BS, self.vllm.hashing.sha256))
+        request = self.request(ids)
         n = len(ids) // BS
         blocks = self.pool.get_new_blocks(n)
         self.pool.cache_full_blocks(request, blocks, 0, n, BS, 0)
@@ -85,13 +90,28 @@ class Engine:
         return n
 
 
-def test_a_prefix_computed_twice_at_once_is_held_until_its_last_copy_is_evicted(vllm):
+def test_a_second_copy_s_eviction_makes_the_index_underestimate_never_over(vllm):
     engine = Engine(vllm, num_blocks=10)
     first = engine.compute(PROMPT)
+    assert engine.index.match(PROMPT, None, BS) == {"r0": 3} == {"r0": engine.hits(PROMPT)}
     second = engine.compute(PROMPT)  # its own copy: vLLM stores the same hashes again
     engine.evict(first)
     assert engine.hits(PROMPT) == 3  # the pool still hits on the second copy
-    assert engine.index.match(PROMPT, None, BS) == {"r0": 3}
+    assert engine.index.match(PROMPT, None, BS) == {"r0": 0}  # forgotten: see index.py
     engine.evict(second)
+    assert engine.hits(PROMPT) == engine.index.match(PROMPT, None, BS)["r0"] == 0
+
+
+def test_reused_blocks_a_client_asks_announced_again_are_gone_when_evicted(vllm):
+    """`"vllm_xargs": {"kv_cache_report_mode": "full"}` makes vLLM store again the
+    blocks a request reused (no new copy): one removal must still forget them."""
+    engine = Engine(vllm, num_blocks=10)
+    blocks = engine.compute(PROMPT)
+    reuse = engine.request(PROMPT, kv_cache_report_mode="full")
+    assert reuse.kv_cache_report_mode == "full"
+    engine.pool.emit_cached_block_events(reuse, 3, BS, 0)  # as KVCacheManager does
+    engine.publish()
+    assert engine.index.match(PROMPT, None, BS) == {"r0": 3}
+    engine.evict(blocks)
     assert engine.hits(PROMPT) == 0
     assert engine.index.match(PROMPT, None, BS) == {"r0": 0}
